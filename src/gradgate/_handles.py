@@ -1,0 +1,64 @@
+"""A removable handle that is also a context manager, shared by every gradgate mechanism."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+
+
+class Handle:
+    """Undoes what a gradgate call did to a model, exactly once.
+
+    ``remove()`` and ``undo()`` are the same; calling either again is a no-op. Used as a
+    context manager, the handle undoes on exit, also when the body raises.
+
+    >>> import torch, gradgate as gg
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> with gg.freeze(model, "0"):
+    ...     model[0].weight.requires_grad
+    False
+    >>> model[0].weight.requires_grad
+    True
+    """
+
+    def __init__(self, undo: Callable[[], None], *, description: str = "") -> None:
+        self._undo: Callable[[], None] | None = undo
+        self._description = description
+
+    @property
+    def active(self) -> bool:
+        """``True`` until the handle has been undone."""
+        return self._undo is not None
+
+    def remove(self) -> None:
+        """Undo everything this handle applied; a second call does nothing."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    undo = remove
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<gradgate.Handle {self._description} ({state})>"
+
+
+def undo_all(handles: list[Callable[[], None]]) -> Callable[[], None]:
+    """One callable that runs the given undo steps in reverse order."""
+
+    def run() -> None:
+        for step in reversed(handles):
+            step()
+
+    return run

@@ -1,0 +1,246 @@
+"""Which modules? Names, globs, index ranges, and discovery of the main block sequence.
+
+Nothing here changes a model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from ._errors import AmbiguousNameError, NoBlocksError, UnknownModuleError
+
+Pattern = str | int | slice
+_RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")
+_GLOB_CHARS = set("*?[")
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's main repeated block sequence, in order.
+
+    The sequence is the container (``nn.ModuleList`` / ``nn.Sequential``) or the run of
+    consecutive same-class children whose repeated elements hold the most parameters;
+    repeated composite blocks (a transformer layer, a CNN stage) win over repeated leaves.
+
+    >>> import gradgate as gg
+    >>> from torch import nn
+    >>> gg.blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
+    ['0', '1', '2']
+    """
+    best: tuple[tuple[int, int, int, int], list[str]] | None = None
+    for owner, members in _candidate_sequences(model):
+        score = _score(owner, [module for _, module in members])
+        if score is not None and (best is None or score > best[0]):
+            best = (score, [name for name, _ in members])
+    if best is None:
+        raise NoBlocksError(
+            f"found no repeated block sequence in {type(model).__name__}: no nn.ModuleList, "
+            "nn.Sequential or run of same-class children holds two or more blocks with "
+            "parameters. Pass the blocks explicitly, e.g. blocks=['encoder.0', 'encoder.1'] "
+            "or blocks='encoder.*'."
+        )
+    return best[1]
+
+
+def select(model: nn.Module, *patterns: Pattern) -> list[str]:
+    """Module names matched by exact names, globs or index ranges, in model order.
+
+    * ``"encoder.layer.3"`` — an exact name, also as a dotted suffix of the full name
+      (``"encoder.layer.3"`` finds ``"bert.encoder.layer.3"``);
+    * ``"encoder.layer.*"`` — ``*`` matches within one name segment, ``**`` any number;
+    * ``"h.0:4"`` / ``"h.-2:"`` — a range over the numbered children of a container;
+    * ``3`` / ``slice(-2, None)`` — positions in :func:`blocks`.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5)])
+    >>> gg.select(net, "1:3", -1)
+    ['1', '2', '4']
+    """
+    return [name for name, _ in resolve_modules(model, patterns)]
+
+
+def resolve_modules(model: nn.Module, patterns: Iterable[Pattern]) -> list[tuple[str, nn.Module]]:
+    """(name, module) for every module matched by the patterns, unique, in model order."""
+    wanted: set[str] = set()
+    for pattern in patterns:
+        wanted.update(_match(model, pattern, include_parameters=False))
+    return [(name, module) for name, module in model.named_modules() if name in wanted]
+
+
+def resolve_parameters(
+    model: nn.Module, patterns: Iterable[Pattern]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+    """Matched modules and every parameter under them or matched directly, unique, in order."""
+    wanted: set[str] = set()
+    for pattern in patterns:
+        wanted.update(_match(model, pattern, include_parameters=True))
+    modules = [(name, module) for name, module in model.named_modules() if name in wanted]
+    prefixes = tuple(f"{name}." for name, _ in modules)
+    chosen = [
+        (name, param)
+        for name, param in model.named_parameters()
+        if name in wanted or "" in wanted or name.startswith(prefixes)
+    ]
+    return modules, chosen
+
+
+def resolve_blocks(
+    model: nn.Module, spec: Sequence[Pattern] | str | None
+) -> list[tuple[str, nn.Module]]:
+    """The block list to use: auto-discovered when ``spec`` is None, else the given patterns."""
+    if spec is None:
+        names = blocks(model)
+        lookup = dict(model.named_modules())
+        return [(name, lookup[name]) for name in names]
+    if isinstance(spec, str):
+        spec = [spec]
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for pattern in spec:
+        for name, module in resolve_modules(model, [pattern]):
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.append((name, module))
+    return found
+
+
+def find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """Exactly one module for an exact name (or dotted suffix); errors when ambiguous."""
+    matches = resolve_modules(model, [name])
+    if len(matches) > 1:
+        listed = ", ".join(repr(found) for found, _ in matches[:6])
+        raise AmbiguousNameError(
+            f"{name!r} matches {len(matches)} modules of {type(model).__name__} ({listed}); "
+            "expected exactly one. Give the full qualified name."
+        )
+    return matches[0]
+
+
+def _match(model: nn.Module, pattern: Pattern, *, include_parameters: bool) -> list[str]:
+    if isinstance(pattern, bool) or not isinstance(pattern, (str, int, slice)):
+        raise UnknownModuleError(
+            f"pattern {pattern!r} has type {type(pattern).__name__}; expected a module name, "
+            "a glob such as 'layer.*', a range such as 'layer.0:4', a block index or a slice."
+        )
+    if not isinstance(pattern, str):
+        return _match_block_positions(model, pattern)
+    segments = pattern.split(".") if pattern else []
+    from_root = _walk(model, "", segments, include_parameters)
+    if from_root:
+        return from_root
+    anywhere: list[str] = []
+    if segments:
+        for name, module in model.named_modules():
+            if name:
+                anywhere.extend(_walk(module, name, segments, include_parameters))
+    if not anywhere:
+        raise UnknownModuleError(_unknown_message(model, pattern, include_parameters))
+    is_exact = not (_GLOB_CHARS & set(pattern)) and not any(_RANGE.match(s) for s in segments)
+    if is_exact and len(set(anywhere)) > 1 and not include_parameters:
+        listed = ", ".join(repr(found) for found in sorted(set(anywhere))[:6])
+        raise AmbiguousNameError(
+            f"{pattern!r} matches {len(set(anywhere))} modules of {type(model).__name__} "
+            f"({listed}); expected exactly one. Give the full qualified name or a glob."
+        )
+    return anywhere
+
+
+def _match_block_positions(model: nn.Module, pattern: int | slice) -> list[str]:
+    names = blocks(model)
+    if isinstance(pattern, slice):
+        return names[pattern]
+    if not -len(names) <= pattern < len(names):
+        raise UnknownModuleError(
+            f"block index {pattern} is out of range: {type(model).__name__} has "
+            f"{len(names)} blocks (valid indices {-len(names)}..{len(names) - 1})."
+        )
+    return [names[pattern]]
+
+
+def _walk(
+    module: nn.Module, prefix: str, segments: list[str], include_parameters: bool
+) -> list[str]:
+    if not segments:
+        return [prefix]
+    head, rest = segments[0], segments[1:]
+    join = (lambda child: f"{prefix}.{child}") if prefix else (lambda child: child)
+    found: list[str] = []
+    if head == "**":
+        found.extend(_walk(module, prefix, rest, include_parameters))
+        for child_name, child in module.named_children():
+            found.extend(_walk(child, join(child_name), segments, include_parameters))
+        return found
+    children = dict(module.named_children())
+    range_match = _RANGE.match(head)
+    if range_match and ":" in head:
+        numbered = sorted((n for n in children if n.isdigit()), key=int)
+        start, stop = (int(v) if v else None for v in range_match.groups())
+        names = numbered[start:stop]
+    else:
+        names = [n for n in children if fnmatch.fnmatchcase(n, head)]
+    for child_name in names:
+        found.extend(_walk(children[child_name], join(child_name), rest, include_parameters))
+    if include_parameters and not rest:
+        for param_name, _ in module.named_parameters(recurse=False):
+            if fnmatch.fnmatchcase(param_name, head):
+                found.append(join(param_name))
+    return found
+
+
+def _unknown_message(model: nn.Module, pattern: str, include_parameters: bool) -> str:
+    names = [name for name, _ in model.named_modules() if name]
+    if include_parameters:
+        names += [name for name, _ in model.named_parameters()]
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+    close += [n for n in names if n.endswith(pattern.split(".")[-1]) and n not in close][:3]
+    hint = f" Did you mean {', '.join(repr(c) for c in close[:3])}?" if close else ""
+    what = "module or parameter" if include_parameters else "module"
+    return (
+        f"{pattern!r} matches no {what} of {type(model).__name__}; expected a qualified name "
+        f"(or a dotted suffix of one), a glob or a range.{hint} gg.select(model, '**') lists all."
+    )
+
+
+def _candidate_sequences(
+    model: nn.Module,
+) -> Iterable[tuple[str, list[tuple[str, nn.Module]]]]:
+    for owner, module in model.named_modules():
+        children = [
+            (f"{owner}.{name}" if owner else name, child) for name, child in module.named_children()
+        ]
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            yield owner, children
+            continue
+        run: list[tuple[str, nn.Module]] = []
+        for item in [*children, None]:
+            if item is not None and run and type(item[1]) is type(run[-1][1]):
+                run.append(item)
+                continue
+            if len(run) >= 2:
+                yield owner, run
+            run = [item] if item is not None else []
+
+
+def _score(owner: str, members: list[nn.Module]) -> tuple[int, int, int, int] | None:
+    if len(members) < 2:
+        return None
+    shapes = Counter(_structure(member) for member in members)
+    common, count = shapes.most_common(1)[0]
+    if count < 2:
+        return None
+    repeated = [m for m in members if _structure(m) == common]
+    covered = sum(p.numel() for m in repeated for p in m.parameters())
+    if covered == 0:
+        return None
+    composite = int(any(True for _ in repeated[0].children()))
+    depth = owner.count(".") + (1 if owner else 0)
+    return composite, covered, count, -depth
+
+
+def _structure(module: nn.Module) -> tuple[object, ...]:
+    return (type(module), tuple((n, _structure(c)) for n, c in module.named_children()))

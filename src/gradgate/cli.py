@@ -1,0 +1,21 @@
+"""The ``gradgate`` command line: ``demo`` (the main job) and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="gradgate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train with a per-minibatch depth and show the proof")
+    demo.add_argument("--out", default="gradgate-out", help="folder for the HTML report")
+    demo.add_argument("--steps", type=int, default=12, help="training steps")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(out=args.out, steps=args.steps)
+    return 2

@@ -1,0 +1,155 @@
+"""Real architectures at tiny sizes, each with an input batch and a scalar loss.
+
+Every factory returns ``(model, batch, loss_fn)`` where ``loss_fn(model, batch)`` runs the
+forward and returns a scalar. Random initialisation only: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+Factory = Callable[[], tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]]
+VOCAB = 97
+
+
+def _token_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, VOCAB, (2, 12), generator=generator)}
+
+
+def _lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(**batch).logits
+    return logits.float().pow(2).mean() + logits[..., 0].mean()
+
+
+def gpt2(*, tied: bool = False, layers: int = 3) -> tuple[nn.Module, Any, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tied,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config).eval(), _token_batch(), _lm_loss
+
+
+def bert(*, layers: int = 3) -> tuple[nn.Module, Any, Any]:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config).eval(), _token_batch(), _lm_loss
+
+
+def llama(*, layers: int = 3) -> tuple[nn.Module, Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval(), _token_batch(), _lm_loss
+
+
+def _sum_of_squares(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def cnn_with_batchnorm() -> tuple[nn.Module, Any, Any]:
+    """A CNN made of three stages (conv, BatchNorm, ReLU) and a head, in train mode."""
+
+    def stage(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, padding=1, stride=2),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+        )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        stage(3, 8),
+        stage(8, 8),
+        stage(8, 16),
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5)),
+    )
+    return model.train(), torch.randn(4, 3, 16, 16), _sum_of_squares
+
+
+class LongSkipNet(nn.Module):
+    """A U-Net-like stack: block ``i`` feeds block ``n-1-i`` through a long skip."""
+
+    def __init__(self, width: int = 8, depth: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Linear(5, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        saved = []
+        n = len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            if i >= n // 2:
+                h = h + saved[n - 1 - i]
+            h = block(h)
+            saved.append(h)
+        return self.head(h)
+
+
+def long_skip() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    return LongSkipNet(), torch.randn(4, 5), _sum_of_squares
+
+
+def conv_stack(n: int = 10) -> tuple[nn.Module, Any, Any]:
+    """The seeds' stack of ``n`` Conv2d(3, 3, 3) layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Conv2d(3, 3, 3) for _ in range(n)])
+    return model, torch.randn(2, 3, 24, 24), lambda m, x: m(x).mean()
+
+
+REAL_MODELS: dict[str, Factory] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
+    "cnn_bn": cnn_with_batchnorm,
+    "long_skip": long_skip,
+}
