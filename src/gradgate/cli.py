@@ -13,7 +13,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="train with a per-minibatch depth and show the proof")
     demo.add_argument("--out", default="gradgate-out", help="folder for the HTML report")
     demo.add_argument("--steps", type=int, default=12, help="training steps")
+    bench = commands.add_parser("bench", help="the performance benchmark", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args.bench_args)
     if args.command == "demo":
         from .demo import run_demo
 
