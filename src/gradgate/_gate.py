@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, get_args
 
@@ -27,6 +29,20 @@ from ._select import Pattern, find_module, resolve_blocks
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
+
+
+# How many gates are blocking grad in this thread right now. Context-local on purpose: grad mode
+# itself is thread-local in PyTorch, and nested gates must agree on who turns it back on.
+_BLOCKING: ContextVar[int] = ContextVar("gradgate_blocking_gates", default=0)
+
+
+@dataclass
+class _Frame:
+    """What one root forward changed: grad mode turned off, then on at the cut; train flags."""
+
+    blocking: bool
+    training: list[tuple[nn.Module, bool]]
+    opened: bool = False
 
 
 class _Cut:
@@ -48,8 +64,7 @@ class _Cut:
         self._points = points
         self._prefix_mode = prefix_mode
         self._index: int | None = None
-        self._caller_modes: list[bool] = []
-        self._saved_training: list[list[tuple[nn.Module, bool]]] = []
+        self._frames: list[_Frame] = []
         self._warned_shared = False
         self._order = [name for name, _ in model.named_modules(remove_duplicate=False)]
         self._hooks: list[RemovableHandle] = [
@@ -58,14 +73,18 @@ class _Cut:
         ]
         for position, (_, module) in enumerate(points):
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(position)))
+            self._hooks.append(module.register_forward_hook(self._make_post_hook(position)))
         self._hooks.append(points[-1][1].register_forward_hook(self._after_last_point))
 
     # -- the hooks ---------------------------------------------------------------------------
+    # Each root forward pushes a frame. A gate blocks when it has a cut and grad is on (or off
+    # only because another gate blocks); grad comes back on when the last blocking gate reaches
+    # its cut, so cuts on nested modules compose: nothing before any of them records a graph.
     def _enter_root(self, module: nn.Module, args: Any) -> None:
-        caller_mode = torch.is_grad_enabled()
-        self._caller_modes.append(caller_mode)
-        self._saved_training.append(self._set_prefix_mode())
-        if self._index is not None and caller_mode:
+        blocking = self._index is not None and (torch.is_grad_enabled() or _BLOCKING.get() > 0)
+        self._frames.append(_Frame(blocking=blocking, training=self._set_prefix_mode()))
+        if blocking:
+            _BLOCKING.set(_BLOCKING.get() + 1)
             torch.set_grad_enabled(False)
 
     def _make_pre_hook(self, position: int) -> Any:
@@ -75,23 +94,45 @@ class _Cut:
 
         return hook
 
+    def _make_post_hook(self, position: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if position == self._index and torch.is_grad_enabled() and self._is_open():
+                _check_block_output_learns(self._points[position][0], module, output)
+
+        return hook
+
     def _after_last_point(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._index == len(self._points):
             self._open()
 
+    def _is_open(self) -> bool:
+        return bool(self._frames) and self._frames[-1].opened
+
     def _open(self) -> None:
-        if self._caller_modes and self._caller_modes[-1]:
+        frame = self._frames[-1] if self._frames else None
+        if frame is None or not frame.blocking or frame.opened:
+            return
+        frame.opened = True
+        _BLOCKING.set(_BLOCKING.get() - 1)
+        if _BLOCKING.get() == 0:
             torch.set_grad_enabled(True)
 
     def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._caller_modes:
+        if not self._frames:
             return
-        caller_mode = self._caller_modes.pop()
-        for prefix_module, training in self._saved_training.pop():
+        frame = self._frames.pop()
+        for prefix_module, training in frame.training:
             prefix_module.training = training
-        if self._index is not None and caller_mode and not torch.is_grad_enabled():
+        if not frame.blocking:
+            return
+        if not frame.opened:
+            _BLOCKING.set(_BLOCKING.get() - 1)
+        if _BLOCKING.get() > 0:
+            return
+        lost = frame.opened and not torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+        if lost:
             _warn_lost_grad_mode(self._cut_name())
-        torch.set_grad_enabled(caller_mode)
 
     # -- what lies before the cut ------------------------------------------------------------
     def _cut_name(self) -> str:
@@ -302,6 +343,31 @@ def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
             f"0..{n} (0: only what runs after the last block learns) or None (no cut)."
         )
     return value
+
+
+def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> None:
+    """Warn when the first learning block has trainable parameters but its output has no graph."""
+    tensors = [t for t in _tensors_in(output)]
+    if not tensors or any(t.requires_grad for t in tensors):
+        return
+    if any(p.requires_grad for p in block.parameters()):
+        warn(
+            f"the first learning block {name!r} has trainable parameters but its output does "
+            "not require grad, so they will get no gradient. The usual cause is reentrant "
+            "activation checkpointing inside the block: its input comes from the cut and does "
+            "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
+            CheckpointAfterCutWarning,
+        )
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []
 
 
 def _warn_lost_grad_mode(cut: str) -> None:

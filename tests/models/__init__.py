@@ -38,6 +38,7 @@ def gpt2(*, tied: bool = False, layers: int = 3) -> tuple[nn.Module, Any, Any]:
         n_positions=32,
         bos_token_id=0,
         eos_token_id=0,
+        use_cache=False,
         tie_word_embeddings=tied,
         attn_pdrop=0.0,
         embd_pdrop=0.0,
@@ -79,6 +80,7 @@ def llama(*, layers: int = 3) -> tuple[nn.Module, Any, Any]:
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
+        use_cache=False,
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval(), _token_batch(), _lm_loss
