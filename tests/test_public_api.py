@@ -1,0 +1,76 @@
+"""The public surface: ``__all__`` is pinned, the import is light, errors share one root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gradgate as gg
+
+PUBLIC = [
+    "AlreadyFrozenError",
+    "AmbiguousNameError",
+    "AuditReport",
+    "BackpropGate",
+    "CheckpointAfterCutWarning",
+    "Finding",
+    "FreezeHandle",
+    "GradgateError",
+    "GradgateWarning",
+    "Graph",
+    "Handle",
+    "InvalidDepthError",
+    "InvalidOptionError",
+    "NoBlocksError",
+    "SharedParameterWarning",
+    "StopGradient",
+    "UnknownModuleError",
+    "__version__",
+    "audit",
+    "backprop_depth",
+    "blocks",
+    "capture_grads",
+    "check",
+    "clip_grad",
+    "compile_blocks",
+    "explain",
+    "freeze",
+    "frozen",
+    "grad_transform",
+    "graph",
+    "reverse_grad",
+    "scale_grad",
+    "select",
+    "stop_gradient_at",
+    "unfreeze",
+    "zero_grad_of",
+]
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(gg.__all__) == sorted(PUBLIC)
+    for name in gg.__all__:
+        assert hasattr(gg, name), name
+
+
+def test_every_error_derives_from_the_root() -> None:
+    errors = [getattr(gg, n) for n in gg.__all__ if n.endswith("Error")]
+    assert issubclass(gg.GradgateError, RuntimeError)
+    assert all(issubclass(e, gg.GradgateError) for e in errors)
+    warnings = [getattr(gg, n) for n in gg.__all__ if n.endswith("Warning")]
+    assert all(issubclass(w, gg.GradgateWarning) for w in warnings)
+
+
+def test_import_is_light() -> None:
+    heavy = ["transformers", "graphviz", "matplotlib", "lightning", "rich", "sklearn", "tqdm"]
+    # Compared with what ``import torch`` alone loads (torch itself may pull in tqdm).
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import gradgate\n"
+        f"print(','.join(m for m in {heavy!r} if m in set(sys.modules) - before))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == ""
