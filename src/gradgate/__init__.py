@@ -10,7 +10,7 @@
 """
 
 from ._audit import AuditReport, audit
-from ._capture import capture_grads
+from ._capture import NoTensorError, capture_grads
 from ._check import Finding, check
 from ._compile import compile_blocks
 from ._errors import (
@@ -25,13 +25,26 @@ from ._errors import (
     SharedParameterWarning,
     UnknownModuleError,
 )
-from ._explain import explain
+from ._explain import (
+    ExplainedError,
+    GraphFreedError,
+    InferenceTensorError,
+    SavedTensorModifiedError,
+    explain,
+)
 from ._freeze import FreezeHandle, freeze, frozen, unfreeze
 from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
 from ._graph import Graph, graph
 from ._handles import Handle
 from ._select import blocks, select
-from ._transform import clip_grad, grad_transform, reverse_grad, scale_grad, zero_grad_of
+from ._transform import (
+    TransformError,
+    clip_grad,
+    grad_transform,
+    reverse_grad,
+    scale_grad,
+    zero_grad_of,
+)
 
 __version__ = "0.1.0"
 
@@ -41,17 +54,23 @@ __all__ = [
     "AuditReport",
     "BackpropGate",
     "CheckpointAfterCutWarning",
+    "ExplainedError",
     "Finding",
     "FreezeHandle",
     "GradgateError",
     "GradgateWarning",
     "Graph",
+    "GraphFreedError",
     "Handle",
+    "InferenceTensorError",
     "InvalidDepthError",
     "InvalidOptionError",
     "NoBlocksError",
+    "NoTensorError",
+    "SavedTensorModifiedError",
     "SharedParameterWarning",
     "StopGradient",
+    "TransformError",
     "UnknownModuleError",
     "__version__",
     "audit",

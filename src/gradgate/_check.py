@@ -1,14 +1,222 @@
-"""Pitfall checks (stub: not built yet)."""
+"""Which classic mistakes are present? Reads model, optimizer and graph; changes nothing.
+
+Each finding has a stable ``code``:
+
+========================  ==================================================================
+``frozen-in-optimizer``   a frozen parameter the optimizer still holds has a ``.grad`` tensor,
+                          so momentum, weight decay or Adam state will move it
+``requires-grad-attr``    ``module.requires_grad = False`` set as a plain attribute
+``norm-in-frozen``        a norm layer with frozen parameters still updates running statistics
+``not-in-optimizer``      a parameter requires grad but is in no optimizer group (wasted wgrad)
+``param-in-two-groups``   the same parameter in two optimizer groups (or two optimizers)
+``eval-builds-graph``     the model is in ``eval()`` but ``loss`` still carries a graph
+``late-freeze``           ``requires_grad`` was turned off after the forward that built ``loss``
+========================  ==================================================================
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 
+@dataclass(frozen=True)
 class Finding:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("Finding")
+    """One detected mistake: a stable ``code``, ``where`` it is, what is wrong, and the fix."""
+
+    code: str
+    where: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.where}: {self.message} Fix: {self.fix}"
 
 
-def check(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("check")
+def check(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    loss: torch.Tensor | None = None,
+) -> list[Finding]:
+    """Findings for the classic gradient mistakes in ``model`` (and ``optimizer``, ``loss``).
+
+    Never prints and never changes anything. Pass the optimizer (or a list of them) for the
+    optimizer checks, and the loss (or any output) of the latest forward for the graph checks.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> opt = torch.optim.SGD(net[1].parameters(), lr=0.1)
+    >>> [finding.code for finding in gg.check(net, opt)]
+    ['not-in-optimizer', 'not-in-optimizer']
+    >>> gg.check(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    []
+    """
+    names = _parameter_names(model)
+    findings = [*_plain_requires_grad_attribute(model), *_norm_in_frozen_region(model)]
+    if optimizer is not None:
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        findings += _optimizer_findings(model, list(optimizers), names)
+    if loss is not None:
+        findings += _graph_findings(model, loss, names)
+    return findings
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+
+
+def _plain_requires_grad_attribute(model: nn.Module) -> Iterable[Finding]:
+    for name, module in model.named_modules():
+        if "requires_grad" in vars(module):
+            value = vars(module)["requires_grad"]
+            where = name or type(module).__name__
+            yield Finding(
+                "requires-grad-attr",
+                where,
+                f"{where}.requires_grad = {value!r} is a plain attribute on the module: it does "
+                "nothing, its parameters still require grad and still learn.",
+                f"del the attribute and call {where}.requires_grad_({value!r}) (sets every "
+                "parameter), or gg.freeze(model, ...).",
+            )
+
+
+def _norm_in_frozen_region(model: nn.Module) -> Iterable[Finding]:
+    for name, module in model.named_modules():
+        params = list(module.parameters())
+        if (
+            isinstance(module, _NormBase)
+            and module.track_running_stats
+            and module.training
+            and params
+            and not any(p.requires_grad for p in params)
+        ):
+            yield Finding(
+                "norm-in-frozen",
+                name,
+                f"{type(module).__name__} {name!r} is frozen (no parameter requires grad) but "
+                "in train mode, so every forward still updates its running mean and variance.",
+                f"gg.freeze(model, {name!r}, norm='eval') keeps it in eval across "
+                f"model.train(); or call model.get_submodule({name!r}).eval() after each "
+                "model.train().",
+            )
+
+
+def _optimizer_findings(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], names: dict[int, str]
+) -> list[Finding]:
+    findings: list[Finding] = []
+    held: dict[int, str] = {}
+    for which, opt in enumerate(optimizers):
+        label = f"optimizer {which}" if len(optimizers) > 1 else "optimizer"
+        for index, group in enumerate(opt.param_groups):
+            for param in group["params"]:
+                name = names.get(id(param), f"<parameter outside the model {tuple(param.shape)}>")
+                place = f"{label} param_groups[{index}]"
+                if id(param) in held:
+                    findings.append(
+                        Finding(
+                            "param-in-two-groups",
+                            name,
+                            f"{name!r} is in {held[id(param)]} and again in {place}: it is "
+                            "stepped twice per step, with two sets of hyperparameters.",
+                            "keep each parameter in exactly one group of one optimizer.",
+                        )
+                    )
+                    continue
+                held[id(param)] = place
+                if not param.requires_grad and param.grad is not None:
+                    findings.append(_frozen_in_optimizer(opt, group, param, name, place))
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in held:
+            findings.append(
+                Finding(
+                    "not-in-optimizer",
+                    name,
+                    f"{name!r} requires grad but is in no optimizer group: backward computes "
+                    "its gradient (wgrad) and nothing ever uses it.",
+                    f"freeze it (gg.freeze(model, {name!r})) so no wgrad is computed, or add "
+                    "it to the optimizer.",
+                )
+            )
+    return findings
+
+
+def _frozen_in_optimizer(
+    opt: torch.optim.Optimizer, group: dict[str, object], param: torch.Tensor, name: str, place: str
+) -> Finding:
+    movers = []
+    momentum = group.get("momentum", 0)
+    if isinstance(momentum, (int, float)) and momentum:
+        movers.append(f"momentum={momentum}")
+    decay = group.get("weight_decay", 0)
+    if isinstance(decay, (int, float)) and decay:
+        movers.append(f"weight_decay={decay}")
+    if opt.state.get(param):
+        movers.append(f"{type(opt).__name__} state ({', '.join(sorted(opt.state[param]))})")
+    grad = param.grad
+    kind = "a zero tensor" if grad is not None and not grad.any() else "a stale gradient tensor"
+    reason = ", ".join(movers) if movers else "the stale gradient itself"
+    return Finding(
+        "frozen-in-optimizer",
+        name,
+        f"{name!r} does not require grad but is held by {place} and its .grad is {kind} "
+        f"(not None), so optimizer.step() still moves it through {reason}.",
+        f"freeze with gg.freeze(model, {name!r}) (sets .grad to None) and zero grads with "
+        "optimizer.zero_grad(set_to_none=True) (the default); or leave the parameter out of "
+        "the optimizer.",
+    )
+
+
+def _graph_findings(model: nn.Module, loss: torch.Tensor, names: dict[int, str]) -> list[Finding]:
+    findings: list[Finding] = []
+    if loss.grad_fn is not None and not any(m.training for m in model.modules()):
+        findings.append(
+            Finding(
+                "eval-builds-graph",
+                type(model).__name__,
+                "the model is in eval() but its output still records an autograd graph: eval() "
+                "only switches dropout and norm layers to inference behaviour, it does not stop "
+                "gradient tracking, so activations are kept for a backward.",
+                "run inference under torch.no_grad() or torch.inference_mode(); call model.eval() "
+                "as well for dropout and norm layers.",
+            )
+        )
+    for param in _leaves(loss):
+        if not param.requires_grad:
+            name = names.get(id(param), f"<tensor {tuple(param.shape)}>")
+            findings.append(
+                Finding(
+                    "late-freeze",
+                    name,
+                    f"{name!r} was set to requires_grad=False after the forward that built this "
+                    "loss: backward still computes its gradient (and everything upstream of it) "
+                    "and then drops it.",
+                    f"freeze before the forward (gg.freeze(model, {name!r})) and run the "
+                    "forward again.",
+                )
+            )
+    return findings
+
+
+def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (``AccumulateGrad`` variables) the loss's graph accumulates into."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    alive: list[object] = []  # keeps each visited node's Python wrapper, so ids stay unique
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        alive.append(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return found
