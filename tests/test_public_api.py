@@ -25,6 +25,7 @@ PUBLIC = [
     "InvalidDepthError",
     "InvalidOptionError",
     "NoBlocksError",
+    "NoCudaError",
     "NoTensorError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",

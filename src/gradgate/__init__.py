@@ -35,6 +35,7 @@ from ._explain import (
 from ._freeze import FreezeHandle, freeze, frozen, unfreeze
 from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
 from ._graph import Graph, graph
+from ._kernels import NoCudaError
 from ._handles import Handle
 from ._select import blocks, select
 from ._transform import (
@@ -66,6 +67,7 @@ __all__ = [
     "InvalidDepthError",
     "InvalidOptionError",
     "NoBlocksError",
+    "NoCudaError",
     "NoTensorError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",
