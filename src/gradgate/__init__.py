@@ -13,6 +13,7 @@ from ._audit import AuditReport, audit
 from ._capture import NoTensorError, capture_grads
 from ._check import Finding, check
 from ._compile import compile_blocks
+from ._dot import GraphvizError, GraphvizNotFoundError
 from ._errors import (
     AlreadyFrozenError,
     AmbiguousNameError,
@@ -34,9 +35,9 @@ from ._explain import (
 )
 from ._freeze import FreezeHandle, freeze, frozen, unfreeze
 from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
-from ._graph import Graph, graph
-from ._kernels import NoCudaError
+from ._graph import Graph, NoGraphError, graph
 from ._handles import Handle
+from ._kernels import NoCudaError
 from ._select import blocks, select
 from ._transform import (
     TransformError,
@@ -62,12 +63,15 @@ __all__ = [
     "GradgateWarning",
     "Graph",
     "GraphFreedError",
+    "GraphvizError",
+    "GraphvizNotFoundError",
     "Handle",
     "InferenceTensorError",
     "InvalidDepthError",
     "InvalidOptionError",
     "NoBlocksError",
     "NoCudaError",
+    "NoGraphError",
     "NoTensorError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",

@@ -3,8 +3,17 @@
 Each renderer is a small module of its own; nothing heavy is imported until it is used.
 """
 
-from ._html import html_page, write_html
+from ._html import audit_sections, html_page, page, write_html
 from ._json import SCHEMA, dumps, loads
 from ._text import render_table
 
-__all__ = ["SCHEMA", "dumps", "html_page", "loads", "render_table", "write_html"]
+__all__ = [
+    "SCHEMA",
+    "audit_sections",
+    "dumps",
+    "html_page",
+    "loads",
+    "page",
+    "render_table",
+    "write_html",
+]

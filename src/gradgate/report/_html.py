@@ -23,18 +23,21 @@ _STYLE = (
 
 def html_page(report: AuditReport, *, title: str = "gradgate audit", extra: str = "") -> str:
     """The page as a string; ``extra`` is trusted HTML appended after the tables."""
-    body = [
-        f"<h1>{html.escape(title)}</h1>",
-        _totals_section(report),
-        _modules_section(report),
-        _wasted_section(report),
-        extra,
-    ]
+    return page(title, f"<h1>{html.escape(title)}</h1>{audit_sections(report)}{extra}")
+
+
+def page(title: str, body: str) -> str:
+    """A complete self-contained HTML document around trusted ``body`` HTML."""
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
-        f"<body>{''.join(body)}</body></html>\n"
+        f"<body>{body}</body></html>\n"
     )
+
+
+def audit_sections(report: AuditReport) -> str:
+    """The totals, the per-module table and the wasted gradients, as HTML sections."""
+    return _totals_section(report) + _modules_section(report) + _wasted_section(report)
 
 
 def write_html(report: AuditReport, path: Path) -> Path:
