@@ -12,7 +12,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train with a per-minibatch depth and show the proof")
     demo.add_argument("--out", default="gradgate-out", help="folder for the HTML report")
-    demo.add_argument("--steps", type=int, default=12, help="training steps")
+    demo.add_argument("--epochs", type=int, default=6, help="epochs of the digits training run")
     bench = commands.add_parser("bench", help="the performance benchmark", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(args.bench_args)
     if args.command == "demo":
-        from .demo import run_demo
+        from ._demo import run_demo
 
-        return run_demo(out=args.out, steps=args.steps)
+        return run_demo(out=args.out, epochs=args.epochs)
     return 2

@@ -18,6 +18,7 @@ _STYLE = (
     "body{font-family:system-ui,sans-serif;margin:2em}"
     "table{border-collapse:collapse}td,th{padding:2px 10px;border-bottom:1px solid #ddd}"
     "td.n{text-align:right;font-variant-numeric:tabular-nums}.waste{color:#b00}"
+    "svg{max-width:100%;height:auto}.note{color:#666}"
 )
 
 
