@@ -8,7 +8,8 @@
   wgrad while its dgrad still reaches the actor.
 
 Evidence: parameter ``.grad`` stays ``None`` where nothing may learn, weights stay
-bit-identical, and ``FlopCounterMode`` shows the critic update's backward costs exactly what
+bit-identical, ``gg.audit`` counts wgrad = dgrad = 0 for the actor in the critic update, and
+``FlopCounterMode`` shows the critic update's backward costs exactly what
 the hand-written ideal (``actor(s).detach()``) costs.
 """
 
@@ -73,6 +74,14 @@ def main() -> None:
     naive_flops = backward_flops(nn.functional.mse_loss(ac(state), target_q))
     ac.zero_grad(set_to_none=True)
 
+    # audit evidence: in the critic update the actor computes no wgrad and no dgrad
+    with gg.audit(ac) as report:
+        with gg.stop_gradient_at(ac, "critic"):
+            q = ac(state)
+        nn.functional.mse_loss(q, target_q).backward()
+    audited_actor = report.module("actor")
+    ac.zero_grad(set_to_none=True)
+
     # -- actor update: through the critic, which does not learn ----------------------------
     critic_before = [p.detach().clone() for p in ac.critic.parameters()]
     actor_opt.zero_grad(set_to_none=True)
@@ -84,6 +93,7 @@ def main() -> None:
 
     print(f"critic update: actor .grad all None: {actor_grads_none}")
     print(f"critic update: actor weights bit-identical: {actor_same}")
+    print(f"critic update audit: actor wgrad={audited_actor.wgrad} dgrad={audited_actor.dgrad}")
     print(
         f"critic update backward FLOPs: gradgate {critic_flops}, ideal {ideal_flops}, "
         f"naive {naive_flops}"

@@ -61,6 +61,13 @@ def main() -> None:
         results["cut"] = backward_flops(model(data).pow(2).mean())
     same.append(torch.allclose(model.y[0].weight.grad, y_reference))
 
+    # audit evidence: in Y's update under the cut, X computes no wgrad and no dgrad
+    with gg.audit(model) as report:
+        with gg.stop_gradient_at(model, "y"):
+            out = model(data)
+        out.pow(2).mean().backward()
+    audited_x = report.module("x")
+
     print(f"backward FLOPs: {results}")
     print(f"without no_grad or freeze, X's wgrad is computed and wasted: {wasted}")
     print(f"gg.check flags it: {'not-in-optimizer' in wasted_findings}")
@@ -70,6 +77,7 @@ def main() -> None:
         f"{results['no_grad'] == results['freeze'] == results['cut'] < results['nothing']}"
     )
     print(f"X's .grad stays None after the cut: {model.x[0].weight.grad is None}")
+    print(f"Y update audit: X wgrad={audited_x.wgrad} dgrad={audited_x.dgrad}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ CLAIMS = {
         "Y's gradients equal in all four ways: True",
         "no_grad, freeze and cut compute the same backward: True",
         "X's .grad stays None after the cut: True",
+        "Y update audit: X wgrad=0 dgrad=0",
     ],
     "detach_nograd_inference.py": [
         "detach records the prefix graph, the others do not: True",
@@ -51,6 +52,7 @@ CLAIMS = {
     "ddpg_actor_critic.py": [
         "critic update: actor .grad all None: True",
         "critic update: actor weights bit-identical: True",
+        "critic update audit: actor wgrad=0 dgrad=0",
         "critic update costs exactly the ideal: True",
         "actor update: critic .grad all None: True",
         "actor update: actor gets gradients through the critic: True",
