@@ -66,6 +66,7 @@ class _Cut:
         self._index: int | None = None
         self._frames: list[_Frame] = []
         self._warned_shared = False
+        self._checked_for_sharing: set[int] = set()
         self._order = [name for name, _ in model.named_modules(remove_duplicate=False)]
         self._hooks: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._enter_root, prepend=True),
@@ -165,8 +166,9 @@ class _Cut:
         return changed
 
     def _warn_shared_parameters(self) -> None:
-        if self._warned_shared or self._index is None:
+        if self._warned_shared or self._index is None or self._index in self._checked_for_sharing:
             return
+        self._checked_for_sharing.add(self._index)  # depth changes every step: check each once
         prefix = self._prefix_names()
         ancestors = _ancestors(self._cut_point()[0])
         uses: dict[int, tuple[list[str], list[str]]] = {}
