@@ -24,9 +24,6 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 # Pages written before this convention, to be converted by their owner. Strict: the test fails
 # as soon as the page passes, so the entry must then be removed.
-NOT_YET_CONVERTED = {
-    "performance.md": "its python blocks use names (model) that no earlier block defines",
-}
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
@@ -83,15 +80,9 @@ def test_parser_pairs_blocks_with_output() -> None:
     assert (second.code, second.expected) == ("a = 2\n", None)
 
 
-def _page_param(page: Path) -> object:
-    name = page.relative_to(DOCS).as_posix()
-    marks = []
-    if name in NOT_YET_CONVERTED:
-        marks.append(pytest.mark.xfail(reason=NOT_YET_CONVERTED[name], strict=True))
-    return pytest.param(page, id=name, marks=marks)
-
-
-@pytest.mark.parametrize("page", [_page_param(page) for page in PAGES])
+@pytest.mark.parametrize(
+    "page", [pytest.param(page, id=page.relative_to(DOCS).as_posix()) for page in PAGES]
+)
 def test_page_runs_and_prints_what_it_shows(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

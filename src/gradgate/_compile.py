@@ -1,9 +1,101 @@
-"""torch.compile recipe for per-minibatch depth (stub: not built yet)."""
+"""torch.compile for a per-minibatch depth: compile each block's ``forward``, not the model.
+
+Under a :class:`~gradgate.BackpropGate`, a block runs in one of three states: in the cut-off
+prefix (grad mode off), as the first learning block (grad mode on, input not requiring grad),
+or further in the suffix (input requiring grad). Compiling each block's ``forward`` gives one
+graph per state and block class, shared by all blocks of that class (parameters are graph
+inputs), so every depth reuses the same <= 3 graphs and nothing recompiles after warm-up.
+
+The gate's hooks stay outside the compiled region: they live in ``Module.__call__``, and only
+``forward`` is compiled. (``Module.compile()`` compiles ``__call__`` with its hooks, which
+traces the gate's bookkeeping into the graphs and adds graphs and recompiles.) Whole-model
+``torch.compile`` with ``requires_grad`` toggling instead recompiles for every new depth.
+"""
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch import nn
 
-def compile_blocks(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("compile_blocks")
+from ._errors import InvalidOptionError
+from ._handles import Handle
+from ._select import Pattern, resolve_blocks
+
+_MARK = "_gradgate_compiled_forward"
+# torch._dynamo reads ``.grad`` of non-leaf inputs while tracing; it hides the resulting
+# UserWarning with ``warnings.showwarning``, which fails when warnings are errors (-W error).
+_NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+
+
+def compile_blocks(
+    model: nn.Module, blocks: Sequence[Pattern] | str | None = None, **compile_kwargs: Any
+) -> Handle:
+    """Compile the ``forward`` of every block with ``torch.compile(**compile_kwargs)``.
+
+    ``blocks`` selects the blocks as in :class:`~gradgate.BackpropGate` (auto-found when
+    None). Returns a :class:`~gradgate.Handle`; ``handle.remove()`` restores the original
+    forwards. Modules outside the blocks (embeddings, head) stay eager.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    >>> handle = gg.compile_blocks(net, backend="eager")
+    >>> gate = gg.BackpropGate(net)
+    >>> for depth in [2, 1, None]:
+    ...     gate.depth = depth
+    ...     net(torch.randn(2, 4)).sum().backward()
+    >>> handle.remove(); gate.remove()
+    >>> "forward" in vars(net[0])
+    False
+    """
+    import torch
+
+    if "fullgraph" in compile_kwargs and not isinstance(compile_kwargs["fullgraph"], bool):
+        raise InvalidOptionError(
+            f"fullgraph={compile_kwargs['fullgraph']!r}; expected True or False."
+        )
+    points = resolve_blocks(model, blocks)
+    if not points:
+        raise InvalidOptionError(
+            f"blocks={blocks!r} selects no module of {type(model).__name__}; expected at least "
+            "one block name or pattern."
+        )
+    for name, block in points:
+        if getattr(block.forward, _MARK, False):
+            raise InvalidOptionError(
+                f"block {name!r} is already compiled by gg.compile_blocks; expected each block "
+                "compiled once. Remove the earlier handle first."
+            )
+    restores = []
+    for _, block in points:
+        had_own = "forward" in vars(block)
+        previous = vars(block).get("forward")
+        compiled = _quiet(torch.compile(block.forward, **compile_kwargs))
+        # a plain instance attribute: nn.Module.__call__ (hooks included) calls it eagerly
+        object.__setattr__(block, "forward", compiled)
+        restores.append((block, had_own, previous))
+
+    def undo() -> None:
+        for block, had_own, previous in restores:
+            if had_own:
+                object.__setattr__(block, "forward", previous)
+            else:
+                vars(block).pop("forward", None)
+
+    return Handle(undo, description=f"compile_blocks over {len(points)} blocks")
+
+
+def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """The compiled forward, with dynamo's internal non-leaf ``.grad`` warning ignored."""
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+            return compiled(*args, **kwargs)
+
+    setattr(forward, _MARK, True)
+    return forward

@@ -1,0 +1,113 @@
+"""The compile section: graphs and recompiles over a per-minibatch depth schedule.
+
+``toggle+compile`` compiles the whole model and toggles ``requires_grad`` on the prefix;
+``gradgate+compile`` compiles each block with :func:`gradgate.compile_blocks` and cuts with a
+:class:`gradgate.BackpropGate`. Both see the same schedule: a warm-up over depths
+``[None, 0, n]`` (the three states a block can be in), then every depth ``0..n`` in a shuffled
+order, twice. ``graphs`` counts the distinct graphs dynamo compiled over the whole schedule;
+``recompiles`` counts the compilations after the warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from .._compile import compile_blocks
+from .._gate import BackpropGate
+from .workloads import Depth, Size, transformer
+
+_LIMIT_MESSAGE = "hit config.recompile_limit"
+
+
+class _LimitWatcher(logging.Filter):
+    """Counts dynamo's 'hit the recompile limit' messages and keeps them off the screen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _LIMIT_MESSAGE in record.getMessage():
+            self.hits += 1
+            return False
+        return True
+
+
+def schedule(n: int, *, seed: int = 0) -> tuple[list[Depth], list[Depth]]:
+    """(warm-up depths, measured depths) for ``n`` blocks.
+
+    >>> warm, rest = schedule(3)
+    >>> warm, sorted(rest, key=str)
+    ([None, 0, 3], [0, 0, 1, 1, 2, 2, 3, 3, None, None])
+    """
+    rng = random.Random(seed)
+    rest: list[Depth] = []
+    for _ in range(2):
+        round_: list[Depth] = [*range(n + 1), None]
+        rng.shuffle(round_)
+        rest.extend(round_)
+    return [None, 0, n], rest
+
+
+def compile_counts(
+    method: str, *, backend: str = "aot_eager", size: Size = "tiny", n: int = 12
+) -> dict[str, Any]:
+    """``{"method", "graphs", "recompiles"}`` for ``toggle+compile`` or ``gradgate+compile``."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    start = int(counters["stats"]["unique_graphs"])
+    workload = transformer(size=size, n=n, d_model=32 if size != "tiny" else None)
+    model, batch = workload.model, workload.batch
+    warm, rest = schedule(n)
+    watcher = _LimitWatcher()
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.addFilter(watcher)
+    try:
+        if method == "toggle+compile":
+            compiled = torch.compile(model, backend=backend)
+
+            def step(depth: Depth) -> None:
+                frozen = {id(p) for p in workload.prefix_parameters(model, depth)}
+                for param in model.parameters():
+                    param.requires_grad_(id(param) not in frozen)
+                workload.loss(compiled(batch)).backward()
+                for param in model.parameters():
+                    param.requires_grad_(True)
+                model.zero_grad(set_to_none=True)
+
+            graphs_at_warm = _run(step, warm, counters)
+            graphs = _run(step, rest, counters)
+        elif method == "gradgate+compile":
+            with (
+                compile_blocks(model, workload.blocks, backend=backend),
+                BackpropGate(model, workload.blocks) as gate,
+            ):
+
+                def step(depth: Depth) -> None:
+                    gate.depth = depth
+                    workload.loss(model(batch)).backward()
+                    model.zero_grad(set_to_none=True)
+
+                graphs_at_warm = _run(step, warm, counters)
+                graphs = _run(step, rest, counters)
+        else:
+            raise ValueError(method)
+    finally:
+        dynamo_log.removeFilter(watcher)
+    return {
+        "method": method,
+        "graphs": graphs - start,
+        "recompiles": graphs - graphs_at_warm,
+        "recompile_limit_hits": watcher.hits,
+    }
+
+
+def _run(step: Any, depths: list[Depth], counters: Any) -> int:
+    for depth in depths:
+        step(depth)
+    return int(counters["stats"]["unique_graphs"])
