@@ -12,7 +12,6 @@ import operator
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, get_args
 
 import torch
@@ -25,6 +24,7 @@ from ._errors import (
     SharedParameterWarning,
     warn,
 )
+from ._handles import Handle
 from ._select import Pattern, find_module, resolve_blocks
 from ._validate import check_choice
 
@@ -45,7 +45,7 @@ class _Frame:
     opened: bool = False
 
 
-class _Cut:
+class _Cut(Handle):
     """Hooks on a root module and a list of cut points; ``_index`` says which point cuts.
 
     ``_index == i < len(points)`` cuts at the input of ``points[i]``; ``_index == len(points)``
@@ -60,6 +60,7 @@ class _Cut:
         prefix_mode: PrefixMode,
     ) -> None:
         check_choice("prefix_mode", prefix_mode, get_args(PrefixMode))
+        super().__init__(self._remove_hooks, description=f"cut in {type(model).__name__}")
         self._model = model
         self._points = points
         self._prefix_mode = prefix_mode
@@ -188,25 +189,9 @@ class _Cut:
                 )
                 return
 
-    # -- handle protocol ---------------------------------------------------------------------
-    def remove(self) -> None:
-        """Remove every hook; the model is exactly as before. A second call does nothing."""
+    def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
-
-    undo = remove
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
 
 class BackpropGate(_Cut):
@@ -262,9 +247,6 @@ class BackpropGate(_Cut):
         self._index = None if value is None else n - value
         self._warn_shared_parameters()
 
-    def __enter__(self) -> BackpropGate:
-        return self
-
     def __repr__(self) -> str:
         return f"<gradgate.BackpropGate depth={self.depth} of {len(self._points)} blocks>"
 
@@ -300,9 +282,6 @@ class StopGradient(_Cut):
         super().__init__(model, [point], prefix_mode=prefix_mode)
         self._index = 0
         self._warn_shared_parameters()
-
-    def __enter__(self) -> StopGradient:
-        return self
 
     def __repr__(self) -> str:
         return f"<gradgate.StopGradient at input of {self._points[0][0]!r}>"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
+
+_H = TypeVar("_H", bound="Handle")
 
 
 class Handle:
@@ -38,7 +41,7 @@ class Handle:
 
     undo = remove
 
-    def __enter__(self) -> Handle:
+    def __enter__(self: _H) -> _H:
         return self
 
     def __exit__(
