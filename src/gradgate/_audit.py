@@ -31,8 +31,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
+
+from ._select import ancestors
+from ._tensors import tensors_in
 
 OUTSIDE = "(outside model)"
 WasteReason = Literal["late_freeze", "not_in_optimizer"]
@@ -291,7 +293,7 @@ class _Audit:
             if not self._stack or self._stack[-1][0] != name:
                 return
             _, start = self._stack.pop()
-            roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+            roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
             self._tag_new_nodes(roots, name, start)
 
         return hook
@@ -434,7 +436,7 @@ class _Audit:
             if name not in records:
                 outside.add(counts)
                 continue
-            for ancestor in _self_and_ancestors(name):
+            for ancestor in [name, *ancestors(name)]:
                 records[ancestor].add(counts)
         self.report.modules = list(records.values())
         self.report.outside = outside
@@ -504,7 +506,7 @@ def _flops_per_output(
     func: Any, formula: Callable[..., int] | None, args: Any, kwargs: Any, out: Any
 ) -> list[_Piece]:
     """(storage pointers, FLOPs) pieces of one op; masked multi-output ops split per output."""
-    pointers = tuple(_storage_ptr(t) for t in _tensors(out))
+    pointers = tuple(_storage_ptr(t) for t in tensors_in(out))
     if formula is None:
         return [(pointers, 0)]
     mask_at = _output_mask_position(func)
@@ -533,17 +535,6 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) output, dict-like model outputs included."""
-    found: list[torch.Tensor] = []
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "keys") and hasattr(leaf, "values"):
-            found.extend(_tensors(list(leaf.values())))
-    return found
-
-
 def _storage_ptr(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().data_ptr())
@@ -560,7 +551,7 @@ def _saved_storages(node: Any) -> list[int]:
             value = getattr(node, attribute)
         except RuntimeError:  # already freed by an earlier backward
             continue
-        pointers.extend(_storage_ptr(t) for t in _tensors(value))
+        pointers.extend(_storage_ptr(t) for t in tensors_in(value))
     return pointers
 
 
@@ -571,11 +562,6 @@ def _is_leaf_node(node: Any) -> bool:
 def _is_layout_only(node: Any) -> bool:
     name = node.name().rstrip("0123456789")
     return name.endswith("Backward") and name[: -len("Backward")] in _LAYOUT_ONLY
-
-
-def _self_and_ancestors(name: str) -> list[str]:
-    parts = name.split(".") if name else []
-    return ["", *(".".join(parts[: i + 1]) for i in range(len(parts)))]
 
 
 def _held_by(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:

@@ -25,7 +25,8 @@ from ._errors import (
     warn,
 )
 from ._handles import Handle
-from ._select import Pattern, find_module, resolve_blocks
+from ._select import Pattern, ancestors, find_module, resolve_blocks
+from ._tensors import tensors_in
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -152,7 +153,8 @@ class _Cut(Handle):
         cut, after_last = self._cut_point()
         position = self._order.index(cut)
         inside = {n for n in self._order if n == cut or n.startswith(f"{cut}.")}
-        before = {n for n in self._order[:position] if n not in _ancestors(cut) and n not in inside}
+        outer = set(ancestors(cut))
+        before = {n for n in self._order[:position] if n not in outer and n not in inside}
         return before | inside if after_last else before
 
     def _set_prefix_mode(self) -> list[tuple[nn.Module, bool]]:
@@ -171,11 +173,11 @@ class _Cut(Handle):
             return
         self._checked_for_sharing.add(self._index)  # depth changes every step: check each once
         prefix = self._prefix_names()
-        ancestors = _ancestors(self._cut_point()[0])
+        outer = set(ancestors(self._cut_point()[0]))
         uses: dict[int, tuple[list[str], list[str]]] = {}
         for name, param in self._model.named_parameters(remove_duplicate=False):
             owner = name.rpartition(".")[0]
-            if owner not in ancestors:
+            if owner not in outer:
                 uses.setdefault(id(param), ([], []))[owner not in prefix].append(name)
         for before, after in uses.values():
             if before and after:
@@ -304,11 +306,6 @@ def stop_gradient_at(
     return StopGradient(model, name, prefix_mode=prefix_mode)
 
 
-def _ancestors(name: str) -> set[str]:
-    parts = name.split(".")
-    return {".".join(parts[:i]) for i in range(len(parts))}
-
-
 def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
     if depth is None:
         return None
@@ -328,7 +325,7 @@ def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
 
 def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> None:
     """Warn when the first learning block has trainable parameters but its output has no graph."""
-    tensors = [t for t in _tensors_in(output)]
+    tensors = tensors_in(output)
     if not tensors or any(t.requires_grad for t in tensors):
         return
     if any(p.requires_grad for p in block.parameters()):
@@ -339,16 +336,6 @@ def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> None
             "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
             CheckpointAfterCutWarning,
         )
-
-
-def _tensors_in(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    return []
 
 
 def _warn_lost_grad_mode(cut: str) -> None:

@@ -33,6 +33,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dot import GraphvizError, GraphvizNotFoundError, run_dot, to_dot
 from ._errors import GradgateError, InvalidOptionError
+from ._select import ancestors
+from ._tensors import tensors_in
 from ._validate import check_choice
 
 __all__ = [
@@ -200,14 +202,14 @@ class GraphRecording:
         self._calls = []
 
     def _entering(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        inputs = {t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None}
+        inputs = {t.grad_fn for t in tensors_in((args, kwargs)) if t.grad_fn is not None}
         self._calls.append(_Call(module, inputs))
 
     def _leaving(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self._calls or self._calls[-1].module is not module:
             return  # our pre-hook did not run for this call (an earlier hook raised)
         call = self._calls.pop()
-        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        stack = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         seen: set[Node] = set()
         while stack:
             node = stack.pop()
@@ -593,7 +595,7 @@ def _saved_bytes(node: Node, param_pointers: set[int]) -> int:
             value = getattr(node, attribute)
         except RuntimeError:  # freed by a backward already
             continue
-        for tensor in _tensors(value):
+        for tensor in tensors_in(value):
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in param_pointers:
                 storages[storage.data_ptr()] = storage.nbytes()
@@ -606,18 +608,6 @@ def _format_bytes(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"  # pragma: no cover
-
-
-def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and mappings (model outputs, kwargs)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 6 and isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item, depth + 1)
-    elif depth < 6 and isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item, depth + 1)
 
 
 # -- clusters ---------------------------------------------------------------------------------
@@ -637,7 +627,7 @@ def _clusters(model: nn.Module | None, nodes: list[GraphNode]) -> dict[str, Grap
             continue
         if name and name not in owning and type(module).forward is nn.Module.forward:
             continue
-        parent = next((a for a in _ancestors(name) if a in clusters), None)
+        parent = next((a for a in ancestors(name) if a in clusters), None)
         relative = name[len(parent) :].lstrip(".") if parent else name
         type_name = type(module).__name__
         title = f"{relative} ({type_name})" if relative else type_name
@@ -670,20 +660,12 @@ def _in_displayed(node: GraphNode, clusters: dict[str, GraphCluster]) -> GraphNo
     """The node moved to its nearest displayed cluster."""
     if node.module is None or node.module in clusters:
         return node
-    home = next((a for a in _ancestors(node.module) if a in clusters), None)
+    home = next((a for a in ancestors(node.module) if a in clusters), None)
     return replace(node, module=home)
 
 
-def _ancestors(name: str) -> list[str]:
-    """Proper ancestors, innermost first, ending with the root ``""``."""
-    if not name:
-        return []
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)] + [""]
-
-
 def _ancestors_and_self(name: str) -> list[str]:
-    return [name, *_ancestors(name)]
+    return [name, *ancestors(name)]
 
 
 # -- where the gradient stops -----------------------------------------------------------------
@@ -869,7 +851,7 @@ def _follows(previous: str, name: str) -> bool:
 def _outermost(runs: list[list[str]]) -> list[list[str]]:
     """Drop runs nested inside a member of another run (the first member stays drawn)."""
     hidden = {member for run in runs for member in run[1:]}
-    return [run for run in runs if not any(a in hidden for a in _ancestors(run[0]))]
+    return [run for run in runs if not any(a in hidden for a in ancestors(run[0]))]
 
 
 def _subtree(name: str, children: dict[str | None, list[str]]) -> list[str]:

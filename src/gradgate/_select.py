@@ -121,6 +121,18 @@ def find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
     return matches[0]
 
 
+def ancestors(name: str) -> list[str]:
+    """Proper ancestors of a qualified module name, innermost first, ending with the root ``""``.
+
+    >>> ancestors("encoder.layer.3")
+    ['encoder.layer', 'encoder', '']
+    """
+    if not name:
+        return []
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)] + [""]
+
+
 def _match(model: nn.Module, pattern: Pattern, *, include_parameters: bool) -> list[str]:
     if isinstance(pattern, bool) or not isinstance(pattern, (str, int, slice)):
         raise UnknownModuleError(
