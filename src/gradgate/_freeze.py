@@ -136,10 +136,10 @@ def unfreeze(model: nn.Module, *patterns: Pattern) -> Handle:
     """
     modules, params = resolve_parameters(model, patterns)
     before = [(param, param.requires_grad) for _, param in params]
+    owners = _live_owners(params)
     for module in _norm_layers(model, modules, params):
-        owner = next((h for h in _live_owners(params) if id(module) in h._norms), None)
-        if owner is not None:
-            owner.release_norm(module)
+        for owner in owners:
+            owner.release_norm(module)  # a no-op for handles that do not hold it
     for _, param in params:
         owner = getattr(param, _OWNER, None)
         if owner is not None:
