@@ -138,8 +138,8 @@ def unfreeze(model: nn.Module, *patterns: Pattern) -> Handle:
     before = [(param, param.requires_grad) for _, param in params]
     owners = _live_owners(params)
     for module in _norm_layers(model, modules, params):
-        for owner in owners:
-            owner.release_norm(module)  # a no-op for handles that do not hold it
+        for holder in owners:
+            holder.release_norm(module)  # a no-op for handles that do not hold it
     for _, param in params:
         owner = getattr(param, _OWNER, None)
         if owner is not None:
