@@ -10,8 +10,11 @@ import gradgate as gg
 PUBLIC = [
     "AlreadyFrozenError",
     "AmbiguousNameError",
+    "AmbiguousBlocksError",
     "AuditReport",
     "BackpropGate",
+    "BlockCallWarning",
+    "BlockCallError",
     "CheckpointAfterCutWarning",
     "ExplainedError",
     "Finding",
@@ -30,6 +33,7 @@ PUBLIC = [
     "NoCudaError",
     "NoGraphError",
     "NoTensorError",
+    "RankMismatchError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",
     "StopGradient",
@@ -84,3 +88,16 @@ def test_import_is_light() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_errors_and_warnings_live_in_one_module_named_gradgate() -> None:
+    kinds = [getattr(gg, n) for n in gg.__all__ if n.endswith(("Error", "Warning"))]
+    assert kinds
+    assert {k.__module__ for k in kinds} == {"gradgate"}
+    assert all(k is getattr(gg._errors, k.__name__) for k in kinds)
+
+
+def test_version_comes_from_package_metadata() -> None:
+    from importlib.metadata import version
+
+    assert gg.__version__ == version("gradgate")

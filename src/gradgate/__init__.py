@@ -9,52 +9,89 @@
 >>> gate.remove()
 """
 
-from ._audit import AuditReport, audit
-from ._capture import NoTensorError, capture_grads
-from ._check import Finding, check
+from importlib import import_module as _import_module
+from importlib.metadata import PackageNotFoundError as _NotInstalled
+from importlib.metadata import version as _version
+from typing import Any as _Any
+
+# select: which modules?
+from ._select import blocks, select
+
+# gate: where does the graph start?
+from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
 from ._compile import compile_blocks
-from ._dot import GraphvizError, GraphvizNotFoundError
+
+# freeze: which parameters learn?
+from ._freeze import FreezeHandle, freeze, frozen, unfreeze
+from ._handles import Handle
+
+# transform: how are gradients changed?
+from ._transform import clip_grad, grad_transform, reverse_grad, scale_grad, zero_grad_of
+
+# capture: what are the inner gradients?
+from ._capture import capture_grads
+
+# audit: what did backward compute?
+from ._audit import AuditReport, audit
+
+# graph: what does the graph look like?
+from ._graph import Graph, graph
+
+# check and explain: which classic mistakes are present?
+from ._check import Finding, check
+from ._explain import explain
+
+# errors and warnings
 from ._errors import (
     AlreadyFrozenError,
+    AmbiguousBlocksError,
     AmbiguousNameError,
+    BlockCallError,
+    BlockCallWarning,
     CheckpointAfterCutWarning,
+    ExplainedError,
     GradgateError,
     GradgateWarning,
+    GraphFreedError,
+    GraphvizError,
+    GraphvizNotFoundError,
+    InferenceTensorError,
     InvalidDepthError,
     InvalidOptionError,
     NoBlocksError,
+    NoCudaError,
+    NoGraphError,
+    NoTensorError,
+    RankMismatchError,
+    SavedTensorModifiedError,
     SharedParameterWarning,
+    TransformError,
     UnknownModuleError,
 )
-from ._explain import (
-    ExplainedError,
-    GraphFreedError,
-    InferenceTensorError,
-    SavedTensorModifiedError,
-    explain,
-)
-from ._freeze import FreezeHandle, freeze, frozen, unfreeze
-from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
-from ._graph import Graph, NoGraphError, graph
-from ._handles import Handle
-from ._kernels import NoCudaError
-from ._select import blocks, select
-from ._transform import (
-    TransformError,
-    clip_grad,
-    grad_transform,
-    reverse_grad,
-    scale_grad,
-    zero_grad_of,
-)
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("gradgate")
+except _NotInstalled:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+# Submodules with optional or heavier parts load on first attribute access (light import).
+_SUBMODULES = ("distributed", "integrations", "optim", "schedules")
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _SUBMODULES:
+        return _import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gradgate' has no attribute {name!r}")
+
 
 __all__ = [
     "AlreadyFrozenError",
+    "AmbiguousBlocksError",
     "AmbiguousNameError",
     "AuditReport",
     "BackpropGate",
+    "BlockCallError",
+    "BlockCallWarning",
     "CheckpointAfterCutWarning",
     "ExplainedError",
     "Finding",
@@ -73,6 +110,7 @@ __all__ = [
     "NoCudaError",
     "NoGraphError",
     "NoTensorError",
+    "RankMismatchError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",
     "StopGradient",

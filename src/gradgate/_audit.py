@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from ._select import ancestors
-from ._tensors import tensors_in
+from ._autograd import tensors_in
 
 OUTSIDE = "(outside model)"
 WasteReason = Literal["late_freeze", "not_in_optimizer"]

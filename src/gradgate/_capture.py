@@ -15,13 +15,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import GradgateError
+from ._errors import NoTensorError
 from ._handles import Handle
 from ._select import Pattern, resolve_modules
-
-
-class NoTensorError(GradgateError):
-    """A module that should carry a gradient produced (or received) no tensor at all."""
 
 
 class _Call:

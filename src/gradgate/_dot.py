@@ -11,18 +11,10 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from ._errors import GradgateError
+from ._errors import GraphvizError, GraphvizNotFoundError
 
 if TYPE_CHECKING:
     from ._graph import Graph, GraphCluster, GraphNode
-
-
-class GraphvizError(GradgateError):
-    """Graphviz's ``dot`` program failed to render a graph."""
-
-
-class GraphvizNotFoundError(GraphvizError):
-    """Graphviz's ``dot`` program is not installed (Debian package ``graphviz``)."""
 
 
 RED, GREEN, GREY, DARK = "#c0392b", "#2e8b57", "#9a9a9a", "#555555"

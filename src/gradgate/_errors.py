@@ -23,6 +23,18 @@ class NoBlocksError(GradgateError):
     """No repeated block sequence could be found in the model."""
 
 
+class AmbiguousBlocksError(NoBlocksError):
+    """Several block sequences are equally plausible; the message lists them and a ``blocks=``."""
+
+
+class BlockCallError(GradgateError):
+    """A block ran in a way the cut cannot follow exactly (twice, out of order, outside the call)."""
+
+
+class RankMismatchError(GradgateError):
+    """Distributed ranks disagree on the plan (depth / learn / skip) for one step."""
+
+
 class InvalidDepthError(GradgateError):
     """A backprop depth that is not an integer in ``0..n`` or ``None``."""
 
@@ -35,6 +47,46 @@ class AlreadyFrozenError(GradgateError):
     """A parameter is already frozen by another live gradgate handle."""
 
 
+class NoTensorError(GradgateError):
+    """A module that should carry a gradient produced (or received) no tensor at all."""
+
+
+class NoGraphError(GradgateError):
+    """The tensor given to :func:`graph` has no autograd graph to draw."""
+
+
+class ExplainedError(GradgateError):
+    """A PyTorch autograd error, re-raised by :func:`explain` with its cause and fix."""
+
+
+class SavedTensorModifiedError(ExplainedError):
+    """A tensor saved for backward was modified in place before backward used it."""
+
+
+class GraphFreedError(ExplainedError):
+    """Backward ran through a graph whose saved tensors an earlier backward had freed."""
+
+
+class InferenceTensorError(ExplainedError):
+    """A tensor created under ``torch.inference_mode`` was used in autograd."""
+
+
+class GraphvizError(GradgateError):
+    """Graphviz's ``dot`` program failed to render a graph."""
+
+
+class GraphvizNotFoundError(GraphvizError):
+    """Graphviz's ``dot`` program is not installed (Debian package ``graphviz``)."""
+
+
+class NoCudaError(GradgateError):
+    """The kernel view needs a CUDA device and none is available."""
+
+
+class TransformError(GradgateError):
+    """A gradient transform was given a bad function, or its function failed."""
+
+
 class GradgateWarning(UserWarning):
     """Root of every warning gradgate emits."""
 
@@ -45,6 +97,16 @@ class SharedParameterWarning(GradgateWarning):
 
 class CheckpointAfterCutWarning(GradgateWarning):
     """Reentrant checkpointing right after a cut silently produces no gradients."""
+
+
+class BlockCallWarning(GradgateWarning):
+    """A block ran in an unusual way (skipped, repeated, out of order); the cut followed it."""
+
+
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and issubclass(_cls, (GradgateError, GradgateWarning)):
+        _cls.__module__ = "gradgate"  # shown as gradgate.X in tracebacks and docs
+del _cls
 
 
 def warn(message: str, category: type[GradgateWarning]) -> None:

@@ -34,29 +34,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import GradgateError
+from ._errors import ExplainedError, GradgateError, GraphFreedError, InferenceTensorError, SavedTensorModifiedError
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _VERSIONS = re.compile(
     r"\[(?P<type>[\w.]+) \[(?P<shape>[^\]]*)\]\](?:, which is output \d+ of (?P<maker>\w+),)?"
     r" is at version (?P<now>\d+); expected version (?P<then>\d+)"
 )
-
-
-class ExplainedError(GradgateError):
-    """A PyTorch autograd error, re-raised by :func:`explain` with its cause and fix."""
-
-
-class SavedTensorModifiedError(ExplainedError):
-    """A tensor saved for backward was modified in place before backward used it."""
-
-
-class GraphFreedError(ExplainedError):
-    """Backward ran through a graph whose saved tensors an earlier backward had freed."""
-
-
-class InferenceTensorError(ExplainedError):
-    """A tensor created under ``torch.inference_mode`` was used in autograd."""
 
 
 @dataclass

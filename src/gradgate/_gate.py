@@ -26,7 +26,7 @@ from ._errors import (
 )
 from ._handles import Handle
 from ._select import Pattern, ancestors, find_module, resolve_blocks
-from ._tensors import tensors_in
+from ._autograd import tensors_in
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]

@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dot import GraphvizError, GraphvizNotFoundError, run_dot, to_dot
-from ._errors import GradgateError, InvalidOptionError
+from ._errors import InvalidOptionError, NoGraphError
 from ._select import ancestors
-from ._tensors import tensors_in
+from ._autograd import tensors_in
 from ._validate import check_choice
 
 __all__ = [
@@ -54,10 +54,6 @@ EdgeKind = Literal["grad", "cut", "to_stop"]
 ClusterState = Literal["learning", "frozen", "cut", "mixed", "none"]
 RenderFormat = Literal["svg", "png"]
 Node = Any  # torch.autograd.graph.Node; its Python API is only partly typed
-
-
-class NoGraphError(GradgateError):
-    """The tensor given to :func:`graph` has no autograd graph to draw."""
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,10 @@ from typing import Any, Literal
 
 import torch
 
-from ._errors import GradgateError
+from ._errors import NoCudaError
 
 KernelKind = Literal["wgrad", "dgrad", "forward", "other"]
 _BACKWARD_RANGE = "autograd::engine::evaluate_function"
-
-
-class NoCudaError(GradgateError):
-    """The kernel view needs a CUDA device and none is available."""
 
 
 @dataclass(frozen=True)

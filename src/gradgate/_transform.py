@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._capture import NoTensorError
-from ._errors import GradgateError, InvalidOptionError
+from ._errors import InvalidOptionError, TransformError
 from ._handles import Handle
 from ._select import Pattern, resolve_modules
 from ._validate import check_choice
@@ -43,10 +43,6 @@ from ._validate import check_choice
 On = Literal["params", "input", "both"]
 Count = Literal["forward", "manual"]
 GradFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-class TransformError(GradgateError):
-    """A gradient transform was given a bad function, or its function failed."""
 
 
 class TransformHandle(Handle):

@@ -13,7 +13,7 @@ from pathlib import Path
 from ._answers import answers
 from ._digits import train_digits
 from ._page import write_report
-from ._progress import Progress
+from .._progress import Progress
 from ._scenarios import seed_scenarios
 
 
