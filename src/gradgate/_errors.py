@@ -87,6 +87,10 @@ class TransformError(GradgateError):
     """A gradient transform was given a bad function, or its function failed."""
 
 
+class MissingExtraError(GradgateError):
+    """An optional package a feature needs is not installed; the message gives the pip command."""
+
+
 class GradgateWarning(UserWarning):
     """Root of every warning gradgate emits."""
 
