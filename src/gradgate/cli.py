@@ -1,28 +1,112 @@
-"""The ``gradgate`` command line: ``demo`` (the main job) and ``bench``."""
+"""The ``gradgate`` command line: one parser; each command adds its own sub-command.
+
+>>> parser = build_parser()
+>>> parser.parse_args(["demo", "--epochs", "2"]).epochs
+2
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn, cast
+
+from . import _demo
+from ._errors import GradgateError
+
+DESCRIPTION = """\
+gradgate decides where gradients flow in a PyTorch model, and proves it.
+
+commands:
+  gradgate demo     answer the common questions with measured evidence, write an HTML report
+  gradgate bench    compare full backprop, freezing by hand, gradgate and the ideal
+
+Run "gradgate COMMAND --help" for a command's options."""
+
+# Optional packages a command may need, and the extra that installs them.
+_EXTRA_OF = {"sklearn": "demo", "matplotlib": "demo", "tqdm": "demo", "transformers": "bench"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what is wrong, and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The one parser of ``gradgate``; ``demo`` and ``bench`` add their own sub-commands."""
+    parser = _Parser(
+        prog="gradgate",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    commands = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", metavar="COMMAND", title="commands"),
+    )
+    _demo.add_command(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``gradgate bench``: its options are parsed by :func:`gradgate.bench.main` for now."""
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="compare full backprop, freezing by hand, gradgate and the ideal (bench --help)",
+    )
+    bench.set_defaults(run=None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and run the chosen command; returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["bench"]:  # the bench parses its own options
-        from .bench import main as bench_main
+    """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+        if args.command is None:
+            parser.print_help()
+            return 0
+        if args.run is None:  # bench, until it adds its own sub-command
+            from .bench import main as bench_main
 
-        return bench_main(args_list[1:])
-    parser = argparse.ArgumentParser(prog="gradgate", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train with a per-minibatch depth and show the proof")
-    demo.add_argument("--out", default="gradgate-out", help="folder for the HTML report")
-    demo.add_argument("--epochs", type=int, default=6, help="epochs of the digits training run")
-    commands.add_parser("bench", help="the performance benchmark (gradgate bench --help)")
-    args = parser.parse_args(args_list)
-    if args.command == "demo":
-        from ._demo import run_demo
+            return _guarded(args.command, lambda: bench_main(rest))
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as exit:  # --help, --version and option errors
+        return exit.code if isinstance(exit.code, int) else 1
+    return _guarded(args.command, lambda: int(args.run(args)))
 
-        return run_demo(out=args.out, epochs=args.epochs)
-    return 2
+
+def _guarded(command: str, run: Callable[[], int]) -> int:
+    """Run a command; a gradgate error or a missing optional package becomes one line."""
+    try:
+        return int(run())
+    except GradgateError as error:
+        return _fail(command, str(error))
+    except ModuleNotFoundError as error:
+        top = (error.name or "").partition(".")[0]
+        if top not in _EXTRA_OF:
+            raise
+        extra = _EXTRA_OF[top]
+        return _fail(
+            command,
+            f"needs the optional package {top!r}, which is not installed; "
+            f'install it with: pip install "gradgate[{extra}]"',
+        )
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"gradgate {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _version() -> str:
+    import torch
+
+    from . import __version__
+
+    return f"gradgate {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"

@@ -1,92 +1,134 @@
-"""Three seed questions answered in a sentence each, with the evidence measured just now."""
+"""Three more questions, each answered by running the code the report shows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
-from .._audit import AuditReport, audit
-from .._capture import capture_grads
-from .._freeze import freeze
-from .._gate import stop_gradient_at
+import gradgate as gg
 
 
 @dataclass
 class Answer:
+    """A question, the code run to answer it, and the answer with the numbers just measured."""
+
     question: str
+    code: str
     sentence: str
-    report: AuditReport | None = None
+    doc: str
+    report: gg.AuditReport | None = None
+
+
+_INTERMEDIATE = """\
+import torch, gradgate as gg
+from torch import nn
+
+net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+x = torch.randn(3, 5)
+with gg.capture_grads(net, "1") as grads:  # the output of the Tanh
+    net(x).sum().backward()
+
+# the same gradient with plain autograd, for comparison
+hidden = net[1](net[0](x))
+(reference,) = torch.autograd.grad(net[2](hidden).sum(), hidden)
+difference = (grads["1"] - reference).abs().max().item()
+"""
+
+_DRIFT = """\
+import torch, gradgate as gg
+from torch import nn
+
+def train_frozen(freeze_with_gradgate):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    x = torch.randn(8, 4)
+    net(x).sum().backward(); opt.step()  # one ordinary step: momentum now exists
+    before = net[0].weight.detach().clone()
+    if freeze_with_gradgate:
+        handle = gg.freeze(net, "0")  # .grad becomes None
+    else:
+        net[0].requires_grad_(False)  # by hand; zero_grad() below keeps zero tensors
+    for _ in range(5):
+        opt.zero_grad(set_to_none=freeze_with_gradgate)
+        net(x).sum().backward(); opt.step()
+    return (net[0].weight.detach() - before).abs().max().item()
+
+by_hand, with_gradgate = train_frozen(False), train_frozen(True)
+"""
+
+_ACTOR_CRITIC = """\
+import torch, gradgate as gg
+from torch import nn
+
+pair = nn.Sequential()
+pair.add_module("actor", nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)))
+pair.add_module("critic", nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)))
+state = torch.randn(32, 3)
+with gg.stop_gradient_at(pair, "critic"), gg.audit(pair) as report:  # the critic's update
+    pair(state).pow(2).mean().backward()
+actor, critic = report.module("actor"), report.module("critic")
+"""
+
+
+def _intermediate_sentence(ns: dict[str, Any]) -> str:
+    return (
+        "gg.capture_grads gave the gradient of the loss with respect to the Tanh's output, "
+        "from one ordinary backward that also trained the weights. Largest difference from "
+        f"torch.autograd.grad: {ns['difference']:.1e}."
+    )
+
+
+def _drift_sentence(ns: dict[str, Any]) -> str:
+    return (
+        "Frozen by hand (requires_grad = False, gradients zeroed but kept), SGD with momentum "
+        f"and weight decay still moved the frozen weights by up to {ns['by_hand']:.2e} in 5 "
+        "steps. Frozen with gg.freeze (gradients None, so the optimizer skips them) they "
+        f"moved by {ns['with_gradgate']:.1e}."
+    )
+
+
+def _actor_critic_sentence(ns: dict[str, Any]) -> str:
+    actor, critic = ns["actor"], ns["critic"]
+    return (
+        f"The critic's update computed {actor.wgrad} weight gradients, {actor.dgrad} input "
+        f"gradients and {actor.backward_flops} backward FLOPs in the actor; the critic got "
+        f"{critic.wgrad} weight gradients ({critic.backward_flops:,} backward FLOPs)."
+    )
+
+
+_ANSWERS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
+    (
+        "How do I get the gradient of an intermediate tensor?",
+        _INTERMEDIATE,
+        _intermediate_sentence,
+        "questions/intermediate-gradients.md",
+    ),
+    (
+        "Why did my frozen layer still change?",
+        _DRIFT,
+        _drift_sentence,
+        "questions/why-did-my-frozen-layer-change.md",
+    ),
+    (
+        "Actor-critic: how do I keep the critic's loss away from the actor?",
+        _ACTOR_CRITIC,
+        _actor_critic_sentence,
+        "questions/actor-critic.md",
+    ),
+]
 
 
 def answers() -> list[Answer]:
-    return [intermediate_gradient(), optimizer_drift(), actor_critic()]
-
-
-def intermediate_gradient() -> Answer:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
-    x = torch.randn(3, 5)
-    hidden = net[1](net[0](x))
-    (reference,) = torch.autograd.grad(net[2](hidden).sum(), hidden)
-    with capture_grads(net, "1") as grads:
-        net(x).sum().backward()
-    difference = (grads["1"] - reference).abs().max().item()
-    return Answer(
-        "How do I get the gradient of an intermediate tensor?",
-        "gg.capture_grads(net, '1') returned d loss / d (output of module '1') from one "
-        f"ordinary backward; largest difference from torch.autograd.grad: {difference:.1e}.",
-    )
-
-
-def _drift(use_gradgate: bool) -> float:
-    torch.manual_seed(0)
-    first = nn.Linear(4, 4)
-    net = nn.Sequential(first, nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    x = torch.randn(8, 4)
-    net(x).sum().backward()
-    optimizer.step()  # one ordinary step: momentum buffers now exist
-    before = first.weight.detach().clone()
-    handle = freeze(net, "0") if use_gradgate else None
-    if handle is None:
-        for param in first.parameters():
-            param.requires_grad_(False)
-    for _ in range(5):
-        optimizer.zero_grad(set_to_none=use_gradgate)  # by hand: grads kept as zero tensors
-        net(x).sum().backward()
-        optimizer.step()
-    if handle is not None:
-        handle.undo()
-    return (first.weight.detach() - before).abs().max().item()
-
-
-def optimizer_drift() -> Answer:
-    by_hand, with_gradgate = _drift(False), _drift(True)
-    return Answer(
-        "Why did my frozen layer still change?",
-        f"frozen by hand (requires_grad=False, grads zeroed not None), SGD with momentum and "
-        f"weight decay still moved the weights by up to {by_hand:.2e} in 5 steps; frozen with "
-        f"gg.freeze (grads None) they moved by {with_gradgate:.1e}.",
-    )
-
-
-def actor_critic() -> Answer:
-    torch.manual_seed(0)
-    pair = nn.Sequential()
-    pair.add_module("actor", nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)))
-    pair.add_module("critic", nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)))
-    state = torch.randn(32, 3)
-    with stop_gradient_at(pair, "critic"), audit(pair) as report:
-        pair(state).pow(2).mean().backward()
-    actor = report.module("actor")
-    critic = report.module("critic")
-    return Answer(
-        "Actor-critic: how do I keep the critic's loss away from the actor?",
-        f"with gg.stop_gradient_at(pair, 'critic') the critic update computed {actor.wgrad} "
-        f"wgrad, {actor.dgrad} dgrad and {actor.backward_flops} backward FLOPs in the actor "
-        f"(critic: {critic.wgrad} wgrad, {critic.dgrad} dgrad, "
-        f"{critic.backward_flops:,} FLOPs).",
-        report,
-    )
+    """Run each answer's code (fixed seed) and word its result."""
+    found = []
+    for question, code, sentence, doc in _ANSWERS:
+        torch.manual_seed(0)
+        namespace: dict[str, Any] = {"__name__": "gradgate_demo"}
+        exec(compile(code, f"<gradgate demo: {question}>", "exec"), namespace)
+        report = namespace.get("report")
+        found.append(Answer(question, code, sentence(namespace), doc, report))
+    return found

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._gate import BackpropGate
+import gradgate as gg
 
 BLOCKS = 6
 DEPTHS: list[int | None] = [1, 2, 3, 4, 6, None]
@@ -78,7 +78,7 @@ def train_digits(*, epochs: int, seed: int, batch_size: int = 32) -> list[Run]:
     runs = [Run("full backprop"), Run("random depth per batch")]
     nets = [make_net(seed), make_net(seed)]
     optimizers = [torch.optim.Adam(net.parameters(), lr=3e-3) for net in nets]
-    gates = [BackpropGate(net) for net in nets]
+    gates = [gg.BackpropGate(net) for net in nets]
     rng = random.Random(seed)
     flops: dict[tuple[int | None, int], int] = {}
     generator = torch.Generator().manual_seed(seed)

@@ -1,100 +1,117 @@
-"""The seeds' conv stacks, audited: which gradients does backward compute?"""
+"""The conv-stack questions, each answered by running the code the report shows."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from .._audit import AuditReport, audit
-from .._dot import GraphvizNotFoundError
-from .._freeze import frozen
-from .._gate import backprop_depth
-from .._graph import graph
+import gradgate as gg
+
+SETUP = """\
+import torch, gradgate as gg
+
+def convs(n):  # n small conv layers in a row
+    return torch.nn.Sequential(*[torch.nn.Conv2d(3, 3, 3) for _ in range(n)])
+
+x = torch.randn(16, 3, 24, 24)  # a batch of 16 small RGB images
+"""
 
 
 @dataclass
 class Scenario:
-    title: str
-    report: AuditReport
-    svg: str | None  # the graph, drawn while the scenario's freeze or cut was in place
+    """One question, the code that answers it, and what backward computed when it ran."""
+
+    question: str
+    code: str  # run exactly as shown, after SETUP; it defines `report` and `picture`
+    why: str  # the answer in words
+    doc: str  # the docs page that treats the question, relative to docs/
+    report: gg.AuditReport
+    picture: gg.Graph | None = None
 
 
-def graph_svg(loss: torch.Tensor, model: nn.Module, report: AuditReport | None) -> str | None:
-    """The autograd graph as inline SVG, or None when Graphviz's ``dot`` is not installed."""
-    try:
-        return graph(loss, model=model, audit=report).to_svg()
-    except GraphvizNotFoundError:
-        return None
+_QUESTIONS: list[tuple[str, str, str, str]] = [
+    (
+        "Training as usual: which gradients does backward compute?",
+        """\
+model = convs(10)
+with gg.audit(model) as report:
+    loss = model(x).mean()
+    picture = gg.graph(loss, model=model)
+    loss.backward()
+""",
+        "Every layer gets the gradient of its own weights (wgrad). Every layer except the "
+        "first also computes the gradient for its input (dgrad), to pass it back to the layer "
+        "before; the first layer's input is the data, which needs none.",
+        "questions/what-are-wgrad-and-dgrad.md",
+    ),
+    (
+        "If I freeze the first 9 layers, are their gradients still computed?",
+        """\
+model = convs(10)
+with gg.frozen(model, "0:9"), gg.audit(model) as report:  # layers 0 to 8
+    loss = model(x).mean()
+    picture = gg.graph(loss, model=model)
+    loss.backward()
+""",
+        "No. Only the last layer learns: its weight gradient is the only one computed, and "
+        "no input gradient is needed at all, because nothing before it learns.",
+        "questions/is-the-gradient-still-computed.md",
+    ),
+    (
+        "How do I backprop through only the last 2 layers?",
+        """\
+model = convs(10)
+with gg.backprop_depth(model, 2), gg.audit(model) as report:
+    loss = model(x).mean()
+    picture = gg.graph(loss, model=model)
+    loss.backward()
+""",
+        "The first 8 layers run with no autograd graph: no gradients and no activations "
+        "saved for them. The last 2 compute their weight gradients, and the input gradient "
+        "between them.",
+        "questions/backprop-last-k-layers.md",
+    ),
+    (
+        "If I freeze a layer in the middle, does the gradient still flow through it?",
+        """\
+model = convs(3)
+with gg.frozen(model, "1"), gg.audit(model) as report:  # the middle layer
+    loss = model(x).mean()
+    picture = gg.graph(loss, model=model)
+    loss.backward()
+""",
+        "Yes. The frozen middle layer gets no weight gradient, but it still computes the "
+        "gradient for its input, because the first layer learns and needs it.",
+        "questions/freeze-non-consecutive-layers.md",
+    ),
+    (
+        "I set requires_grad = False after computing the loss: does that save anything?",
+        """\
+model = convs(3)
+with gg.audit(model) as report:
+    loss = model(x).mean()
+    model[0].weight.requires_grad_(False)  # too late: the graph is already recorded
+    picture = gg.graph(loss, model=model)
+    loss.backward()
+""",
+        "No. Backward still computes the first layer's weight gradient, then throws it away: "
+        "the audit lists it as wasted. Freeze before the forward instead.",
+        "questions/freeze-after-forward.md",
+    ),
+]
 
 
-def conv_stack(n: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Conv2d(3, 3, 3) for _ in range(n)])
-
-
-def _audited(
-    title: str, model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor]
-) -> Scenario:
-    x = torch.randn(16, 3, 24, 24, generator=torch.Generator().manual_seed(0))
-    with audit(model) as report:
-        loss = step(x)
-        loss.backward(retain_graph=True)
-    return Scenario(title, report, graph_svg(loss, model, report))
-
-
-def _late_freeze(model: nn.Sequential) -> Callable[[torch.Tensor], torch.Tensor]:
-    first = model.get_parameter("0.weight")
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = model(x).mean()
-        first.requires_grad_(False)  # too late: the graph already wants it
-        return loss
-
-    return step
-
-
-def seed_scenarios() -> list[Scenario]:
-    """The five scenarios: all learn, last one, last two (cut), middle frozen, late freeze."""
+def conv_scenarios(*, draw: bool = True) -> list[Scenario]:
+    """Run every question's code after SETUP (fixed seeds) and keep its audit and graph."""
     scenarios = []
-    model = conv_stack(10)
-    scenarios.append(
-        _audited("10 convs, all learn (seed: 10 wgrad, 9 dgrad)", model, lambda x: model(x).mean())
-    )
-    model = conv_stack(10)
-    with frozen(model, "0:9"):
-        scenarios.append(
-            _audited(
-                "10 convs, first 9 frozen (seed: 1 wgrad, 0 dgrad)",
-                model,
-                lambda x: model(x).mean(),
-            )
-        )
-    model = conv_stack(10)
-    with backprop_depth(model, 2):
-        scenarios.append(
-            _audited(
-                "10 convs, backprop_depth 2 (seed: 2 wgrad, 1 dgrad)",
-                model,
-                lambda x: model(x).mean(),
-            )
-        )
-    model = conv_stack(3)
-    with frozen(model, "1"):
-        scenarios.append(
-            _audited(
-                "3 convs, middle frozen (seed: 2 wgrad, 2 dgrad)", model, lambda x: model(x).mean()
-            )
-        )
-    model = conv_stack(3)
-    scenarios.append(
-        _audited(
-            "3 convs, requires_grad turned off after the forward (wasted)",
-            model,
-            _late_freeze(model),
-        )
-    )
-    model[0].weight.requires_grad_(True)
+    for question, code, why, doc in _QUESTIONS:
+        torch.manual_seed(0)
+        namespace: dict[str, object] = {"__name__": "gradgate_demo"}
+        exec(compile(SETUP + code, f"<gradgate demo: {question}>", "exec"), namespace)
+        picture = namespace["picture"] if draw else None
+        report = namespace["report"]
+        assert isinstance(report, gg.AuditReport)
+        assert picture is None or isinstance(picture, gg.Graph)
+        scenarios.append(Scenario(question, code, why, doc, report, picture))
     return scenarios
