@@ -12,14 +12,15 @@ def forward_and_backward(forward: Callable[[], torch.Tensor]) -> tuple[int, int]
     """Run ``forward`` then backward; return (bytes saved for backward, backward FLOPs).
 
     Saved bytes count each storage once. With nothing to learn (the loss does not require
-    grad) both are 0.
+    grad) both are 0. The pack hook returns a detached alias, never the tensor it was given:
+    returning an output autograd saved (sigmoid, tanh) would keep it alive in a cycle.
     """
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = forward()

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradgate as gg
+from gradgate._errors import AuditNotReadyError, NoBackwardWarning
 
 
 def _counts(report: gg.AuditReport) -> tuple[int, int]:
@@ -50,8 +51,9 @@ def test_seed_middle_layer_frozen_keeps_both_dgrads() -> None:
 
 def test_seed_backprop_depth_two() -> None:
     model, x, loss_fn = models.conv_stack(10)
-    with gg.audit(model) as report, gg.backprop_depth(model, 2):
-        loss = loss_fn(model, x)
+    with pytest.warns(NoBackwardWarning, match="ended without a backward pass"):
+        with gg.audit(model) as report, gg.backprop_depth(model, 2):
+            loss = loss_fn(model, x)
     loss.backward()
     assert _counts(report) == (0, 0)  # the backward ran after the audit closed
     with gg.audit(model) as report:

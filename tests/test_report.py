@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate._kernels import (
+from gradgate._audit.kernels import (
     KernelRow,
     NoCudaError,
     classify_kernel,
@@ -22,7 +22,7 @@ from gradgate._kernels import (
     profile_kernels,
     render_kernel_table,
 )
-from gradgate.report import SCHEMA
+from gradgate._audit.render import SCHEMA
 
 SEED_WGRAD = "void cudnn::cnn::wgrad2d_grouped_direct_kernel<(bool)0, (bool)1, int, float>"
 SEED_DGRAD = "void cudnn::cnn::dgrad2d_grouped_direct_kernel<float, int, float, float>"
@@ -88,7 +88,7 @@ def test_html_escapes_model_derived_names(tmp_path: Path) -> None:
 
 def test_import_stays_light() -> None:
     code = (
-        "import sys, gradgate, gradgate.report; "
+        "import sys, gradgate, gradgate._audit, gradgate._graph; "
         "print(sorted(m for m in ('matplotlib', 'graphviz', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

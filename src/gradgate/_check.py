@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ._autograd import leaf_variable, walk
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -205,18 +207,5 @@ def _graph_findings(model: nn.Module, loss: torch.Tensor, names: dict[int, str])
 
 def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     """The leaf tensors (``AccumulateGrad`` variables) the loss's graph accumulates into."""
-    found: list[torch.Tensor] = []
-    seen: set[int] = set()
-    alive: list[object] = []  # keeps each visited node's Python wrapper, so ids stay unique
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        alive.append(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.append(variable)
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-    return found
+    found = (leaf_variable(node) for node in walk([loss.grad_fn]))
+    return [variable for variable in found if variable is not None]

@@ -47,6 +47,10 @@ class AlreadyFrozenError(GradgateError):
     """A parameter is already frozen by another live gradgate handle."""
 
 
+class HandleUsedError(GradgateError):
+    """A handle that was already undone was entered (``with``) again; make a new one."""
+
+
 class NoTensorError(GradgateError):
     """A module that should carry a gradient produced (or received) no tensor at all."""
 
@@ -83,6 +87,10 @@ class NoCudaError(GradgateError):
     """The kernel view needs a CUDA device and none is available."""
 
 
+class AuditNotReadyError(GradgateError):
+    """An audit's results were read before it ran (or while it runs), or it was reused."""
+
+
 class TransformError(GradgateError):
     """A gradient transform was given a bad function, or its function failed."""
 
@@ -105,6 +113,10 @@ class CheckpointAfterCutWarning(GradgateWarning):
 
 class BlockCallWarning(GradgateWarning):
     """A block ran in an unusual way (skipped, repeated, out of order); the cut followed it."""
+
+
+class NoBackwardWarning(GradgateWarning):
+    """An audit saw a forward that built a graph but no backward: its gradient counts are 0."""
 
 
 for _cls in list(globals().values()):

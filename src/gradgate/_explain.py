@@ -34,7 +34,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import ExplainedError, GradgateError, GraphFreedError, InferenceTensorError, SavedTensorModifiedError
+from ._autograd import saved_attributes, walk
+from ._errors import (
+    ExplainedError,
+    GradgateError,
+    GraphFreedError,
+    InferenceTensorError,
+    SavedTensorModifiedError,
+)
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _VERSIONS = re.compile(
@@ -196,17 +203,13 @@ class _Recorder(TorchFunctionMode):
                 new.append(tensor.grad_fn)
         if not new or all(id(node) in self._record.nodes for node in new):
             return
-        site = self._site(func)
-        while new:
-            node = new.pop()
-            if (
-                node is None
-                or id(node) in self._record.nodes
-                or node._sequence_nr() < self._record.first_node
-            ):
-                continue
-            self._record.nodes[id(node)] = _Node(node, site)
-            new.extend(child for child, _ in node.next_functions)
+        site, nodes = self._site(func), self._record.nodes
+
+        def unrecorded(node: Any) -> bool:
+            return id(node) not in nodes and node._sequence_nr() >= self._record.first_node
+
+        for node in walk(new, enter=unrecorded):
+            nodes[id(node)] = _Node(node, site)
 
     def _site(self, func: Any) -> _Site:
         stack = self._stack()
@@ -255,7 +258,7 @@ def _probe(record: _Record, marker: str) -> list[_Node]:
     """Recorded nodes whose saved tensors raise an error containing ``marker`` when read."""
     culprits = []
     for entry in record.nodes.values():
-        for attribute in _saved_attributes(entry.node):
+        for attribute in saved_attributes(entry.node):
             try:
                 getattr(entry.node, attribute)
             except RuntimeError as err:
@@ -263,10 +266,6 @@ def _probe(record: _Record, marker: str) -> list[_Node]:
                     culprits.append(entry)
                     break
     return culprits
-
-
-def _saved_attributes(node: Any) -> list[str]:
-    return [name for name in dir(node) if name.startswith("_saved_")]
 
 
 def _explain_modified(text: str, record: _Record) -> SavedTensorModifiedError:

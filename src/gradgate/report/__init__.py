@@ -1,19 +1,19 @@
-"""How a person sees an audit: a text table, JSON, and a self-contained HTML page.
+"""Temporary: the old import path of two names the demo uses; removed once it imports
+``page`` from ``gradgate._html`` and ``AuditReport.html()`` instead of ``audit_sections``."""
 
-Each renderer is a small module of its own; nothing heavy is imported until it is used.
-"""
+from __future__ import annotations
 
-from ._html import audit_sections, html_page, page, write_html
-from ._json import SCHEMA, dumps, loads
-from ._text import render_table
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "SCHEMA",
-    "audit_sections",
-    "dumps",
-    "html_page",
-    "loads",
-    "page",
-    "render_table",
-    "write_html",
-]
+from .._html import page
+
+if TYPE_CHECKING:
+    from .._audit import AuditReport
+
+
+def audit_sections(report: AuditReport) -> str:
+    """The audit's HTML sections (now ``report.html()``)."""
+    return report.html()
+
+
+__all__ = ["audit_sections", "page"]

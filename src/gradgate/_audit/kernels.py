@@ -8,14 +8,16 @@ launched outside backward as ``forward``. Needs CUDA (``torch.profiler``).
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from ._errors import NoCudaError
+from .._errors import NoCudaError
 
 KernelKind = Literal["wgrad", "dgrad", "forward", "other"]
 _BACKWARD_RANGE = "autograd::engine::evaluate_function"
@@ -53,24 +55,93 @@ def classify_kernel(name: str, *, in_backward: bool) -> KernelKind:
     return "other" if in_backward else "forward"
 
 
-def profile_kernels(step: Callable[[], Any]) -> list[KernelRow]:
-    """Run ``step`` (forward and backward) under ``torch.profiler``; its kernels, by name."""
+def require_cuda() -> None:
+    """Raise :class:`NoCudaError` unless a CUDA device is available."""
     if not torch.cuda.is_available():
         raise NoCudaError(
-            "the kernel view needs a CUDA device; torch.cuda.is_available() is False. "
-            "Use gg.audit (wgrad/dgrad per autograd node) on this machine instead."
+            "the kernel view (kernels=True) needs a CUDA device; torch.cuda.is_available() "
+            "is False. Use gg.audit(model) without kernels=True (wgrad/dgrad per autograd "
+            "node) on this machine, or run on a machine with a GPU."
         )
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+@contextmanager
+def _quiet_profiler() -> Iterator[None]:
+    """torch.profiler warns that it "clears events at the end of each cycle" when a profile
+    starts again; gradgate profiles exactly one cycle, so that warning says nothing here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+        yield
+
+
+class KernelRecorder:
+    """Records the CUDA kernels launched between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self) -> None:
+        require_cuda()
+        self._profile: Any = None
+        self.rows: list[KernelRow] = []
+
+    def start(self) -> None:
+        """Start ``torch.profiler`` (CPU and CUDA activities)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        with _quiet_profiler():
+            self._profile.__enter__()
+
+    def stop(self) -> list[KernelRow]:
+        """Wait for the device, stop the profiler, and return the kernels by name."""
+        prof, self._profile = self._profile, None
+        if prof is None:
+            return self.rows
+        try:
+            torch.cuda.synchronize()
+        finally:
+            with _quiet_profiler():
+                prof.__exit__(None, None, None)
+                events = prof.events()
+        durations: dict[tuple[str, KernelKind], list[int]] = defaultdict(list)
+        for event in events:
+            for kernel in getattr(event, "kernels", []):
+                kind = classify_kernel(kernel.name, in_backward=_in_backward(event))
+                durations[(kernel.name, kind)].append(int(kernel.duration * 1000))
+        self.rows = [KernelRow(name, kind, tuple(d)) for (name, kind), d in durations.items()]
+        return self.rows
+
+
+def profile_kernels(step: Callable[[], Any]) -> list[KernelRow]:
+    """Run ``step`` (forward and backward) under ``torch.profiler``; its kernels, by name."""
+    recorder = KernelRecorder()
+    recorder.start()
+    try:
         step()
-        torch.cuda.synchronize()
-    durations: dict[tuple[str, KernelKind], list[int]] = defaultdict(list)
-    for event in prof.events():
-        for kernel in getattr(event, "kernels", []):
-            kind = classify_kernel(kernel.name, in_backward=_in_backward(event))
-            durations[(kernel.name, kind)].append(int(kernel.duration * 1000))
-    return [KernelRow(name, kind, tuple(d)) for (name, kind), d in durations.items()]
+    finally:
+        rows = recorder.stop()
+    return rows
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """``report.kernels``: the kernels of an audited step, as in the seeds' Nsight tables.
+
+    ``rows`` hold one kernel name each; ``counts`` the launches per kind (wgrad, dgrad,
+    forward, other); ``table()`` (also ``str()``) the Nsight-style text table.
+    """
+
+    rows: tuple[KernelRow, ...]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Kernel launches per kind, e.g. ``{"wgrad": 10, "dgrad": 9, ...}``."""
+        return count_kinds(list(self.rows))
+
+    def table(self, *, width: int = 100) -> str:
+        """The Nsight-style table, slowest kernel first."""
+        return render_kernel_table(list(self.rows), width=width)
+
+    def __str__(self) -> str:
+        return self.table()
 
 
 def _in_backward(event: Any) -> bool:

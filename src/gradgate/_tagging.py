@@ -1,0 +1,130 @@
+"""Which module created an autograd node? One answer, shared by audit and graph.
+
+While a :class:`ModuleTagger` is active, every module call is watched: when the call returns,
+the nodes reachable from its outputs that were created during the call (autograd numbers nodes
+in creation order) and not yet tagged by an inner call are tagged with the module's name. So
+each node belongs to the innermost module whose forward created it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._autograd import Node, is_leaf, tensors_in, walk
+
+
+@dataclass
+class _Call:
+    name: str
+    module: nn.Module
+    start: int  # the sequence number the first node created inside the call gets
+
+
+class ModuleTagger:
+    """Tags autograd nodes with the qualified name of the module that created them.
+
+    ``labels`` maps node -> module name; ``on_tag(node, name)`` is called for each new tag.
+    ``current()`` names the innermost module running now (``None`` outside the model).
+    Hooks are registered on ``__enter__`` and all removed on ``__exit__``.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> with ModuleTagger(net) as tagger:
+    ...     y = net(torch.randn(1, 2))
+    >>> tagger.labels[y.grad_fn]
+    '1'
+    """
+
+    def __init__(
+        self, model: nn.Module, on_tag: Callable[[Node, str], object] | None = None
+    ) -> None:
+        self.model = model
+        self.labels: dict[Node, str] = {}
+        self.forward_seen = False
+        self._on_tag = on_tag
+        self._local = threading.local()
+        self._handles: list[RemovableHandle] = []
+
+    # -- registration ------------------------------------------------------------------------
+    def __enter__(self) -> ModuleTagger:
+        try:
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook(name), always_call=True)
+                )
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove every hook this tagger registered (a second call does nothing)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._local = threading.local()
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are registered."""
+        return bool(self._handles)
+
+    # -- the calls ---------------------------------------------------------------------------
+    def _stack(self) -> list[_Call]:
+        stack: list[_Call] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current(self) -> str | None:
+        """The innermost module of the model running now in this thread, else ``None``."""
+        stack = self._stack()
+        return stack[-1].name if stack else None
+
+    def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.forward_seen = True
+            self._stack().append(_Call(name, module, torch._C._autograd._get_sequence_nr()))
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            stack = self._stack()
+            if not stack or stack[-1].module is not module:
+                return  # our pre-hook did not run for this call (an earlier hook raised)
+            call = stack.pop()
+            self.tag(tensors_in(output), call.name, call.start)
+
+        return hook
+
+    def tag(self, outputs: list[torch.Tensor], name: str, start: int) -> None:
+        """Tag the nodes behind ``outputs`` created since sequence number ``start`` and not
+        tagged yet with ``name``."""
+
+        def created_here(node: Node) -> bool:
+            return not is_leaf(node) and node._sequence_nr() >= start
+
+        roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        for node in walk(roots, enter=created_here):
+            if node not in self.labels:
+                self.labels[node] = name
+                if self._on_tag is not None:
+                    self._on_tag(node, name)

@@ -1,0 +1,177 @@
+"""The shared autograd plumbing: node walk, leaves, saved tensors, storages, saved-tensor
+observer (no reference cycle, outer hooks kept), and the one module tagger."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from measure import forward_and_backward
+from torch import nn
+
+import gradgate as gg
+from gradgate._autograd import (
+    StorageBytes,
+    leaf_variable,
+    observe_saved,
+    saved_tensors,
+    storage_key,
+    walk,
+)
+from gradgate._tagging import ModuleTagger
+
+
+def test_walk_visits_each_node_once_depth_first() -> None:
+    w = torch.ones(3, requires_grad=True)
+    y = w * 2
+    loss = (y + y.exp()).sum()  # y is used twice: its node is reached twice
+    names = [node.name() for node in walk([loss.grad_fn])]
+    assert names == [
+        "SumBackward0",
+        "AddBackward0",
+        "MulBackward0",
+        "torch::autograd::AccumulateGrad",
+        "ExpBackward0",
+    ]
+    leaves = [leaf_variable(node) for node in walk([loss.grad_fn])]
+    assert [leaf is w for leaf in leaves if leaf is not None] == [True]
+
+
+def test_walk_enter_prunes_a_node_and_everything_only_behind_it() -> None:
+    w = torch.ones(3, requires_grad=True)
+    loss = (w.exp() * 2).sum()
+    names = [n.name() for n in walk([loss.grad_fn], enter=lambda n: n.name() != "MulBackward0")]
+    assert names == ["SumBackward0"]
+
+
+def test_saved_tensors_are_read_until_backward_frees_them() -> None:
+    x = torch.randn(4, requires_grad=True)
+    y = x.sigmoid()
+    assert [t.shape for t in saved_tensors(y.grad_fn)] == [torch.Size([4])]
+    y.sum().backward()
+    assert saved_tensors(y.grad_fn) == []
+
+
+def test_storage_bytes_counts_each_live_storage_once() -> None:
+    x = torch.ones(8)
+    counter = StorageBytes(exclude=[storage_key(torch.zeros(0))])
+    assert counter.add(x) == 32 and counter.add(x[2:]) == 0 and counter.add(x.view(2, 4)) == 0
+    assert counter.add(torch.ones(2, dtype=torch.float64)) == 16
+    assert counter.total == 48
+
+
+def _sigmoid_output_is_freed(run: object) -> bool:
+    """Run a sigmoid inside ``run`` (a context manager factory), no backward, drop it."""
+    x = torch.randn(16, requires_grad=True)
+    with run():  # type: ignore[operator]
+        y = x.sigmoid()  # autograd saves the output itself
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    return ref() is None
+
+
+def test_observer_makes_no_reference_cycle_with_a_saved_output() -> None:
+    assert _sigmoid_output_is_freed(lambda: observe_saved(lambda t: None))
+
+
+def test_audit_frees_a_saved_output_without_backward() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), nn.Tanh())
+    x = torch.randn(2, 4)
+    with pytest.warns(gg.GradgateWarning, match="without a backward"):
+        with gg.audit(model):
+            out = model(x)
+            inner = out.grad_fn.next_functions[0][0]  # the sigmoid's node (saves its output)
+            assert inner.name() == "SigmoidBackward0"
+            del inner
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
+
+
+def test_observer_keeps_hooks_installed_outside_it() -> None:
+    packed: list[tuple[int, ...]] = []
+    unpacked: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(t.shape))
+        return t.detach()
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(tuple(t.shape))
+        return t
+
+    seen: list[tuple[int, ...]] = []
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with observe_saved(lambda t: seen.append(tuple(t.shape))):
+            y = x.exp()
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert seen == packed == unpacked == [(3,)]
+    torch.testing.assert_close(grad, x.exp())
+
+
+def test_observed_graph_gives_plain_autograd_gradients_also_twice_differentiated() -> None:
+    x = torch.randn(5, requires_grad=True)
+
+    def second_derivative() -> torch.Tensor:
+        y = torch.tanh(x.sigmoid())
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), x)
+        return h
+
+    reference = second_derivative()
+    with observe_saved(lambda t: None):
+        observed = second_derivative()
+    torch.testing.assert_close(observed, reference)
+
+
+def test_measure_helper_still_counts_saved_bytes() -> None:
+    lin = nn.Linear(4, 4)
+    saved, flops = forward_and_backward(lambda: lin(torch.randn(2, 4)).sigmoid().sum())
+    # addmm saves only its input for the wgrad (2·4 floats: 32 B; the input needs no
+    # gradient, so the weight is not saved) and sigmoid its output (2·4 floats: 32 B)
+    assert saved == 32 + 32
+    assert flops == 2 * 2 * 4 * 4  # wgrad only: the input needs no gradient
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x) * 2  # created by the root's own code
+        return self.head(h)
+
+
+def test_tagger_names_the_innermost_module_and_removes_its_hooks() -> None:
+    net = _Net()
+    with ModuleTagger(net) as tagger:
+        out = net(torch.randn(2, 3))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+    by_node = tagger.labels
+    assert by_node[out.grad_fn] == "head"
+    mul = out.grad_fn.next_functions[1][0]
+    assert mul.name() == "MulBackward0" and by_node[mul] == ""
+    relu = mul.next_functions[0][0]
+    assert by_node[relu] == "body.1" and by_node[relu.next_functions[0][0]] == "body.0"
+
+
+def test_audit_and_graph_name_the_same_module_for_each_node() -> None:
+    net = _Net()
+    x = torch.randn(2, 3)
+    with gg.audit(net) as report, gg.graph.recording(net) as rec:
+        loss = net(x).sum()
+        g = rec.graph(loss, collapse=False)
+        loss.backward()
+    ops = {node.label.split("\n")[0]: node.module for node in g.nodes if node.kind == "op"}
+    assert ops["MulBackward0"] == "" and ops["ReluBackward0"] == "body.1"
+    assert ops["AddmmBackward0"] in ("head", "body.0")
+    # the audit attributes the same nodes to the same modules: one dgrad each
+    assert report.module("body.1").dgrad == 1 and report.module("head").dgrad == 1
+    assert report.module("body.0").wgrad == 1 and report.module("body.0").dgrad == 0
