@@ -1,0 +1,458 @@
+"""Schedules: which blocks learn (or skip backward) at each training step.
+
+A schedule turns a step number into a :class:`Plan` (a depth, a learning set, a skip set) and
+sets it on a :class:`gradgate.BackpropGate`. The plan is a pure function of ``(seed, step)``:
+every rank that builds the same schedule draws the same plan with no communication, and a run
+resumed at step ``t`` continues the same sequence.
+
+>>> import torch, gradgate as gg
+>>> net = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(6)])
+>>> gate = gg.BackpropGate(net)
+>>> sched = gg.schedules.GradualUnfreeze(6, every=10)
+>>> [sched.plan(step).depth for step in (0, 9, 10, 25)]
+[1, 1, 2, 3]
+>>> sched.apply(gate, 25)
+Plan(depth=3)
+>>> gate.depth
+3
+>>> gate.remove()
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ._errors import InvalidOptionError
+from ._validate import check_choice
+
+__all__ = [
+    "LISA",
+    "DropBP",
+    "FreezeOut",
+    "GradualUnfreeze",
+    "Plan",
+    "RandomDepth",
+    "Schedule",
+]
+
+
+class _Gate(Protocol):
+    blocks: list[str]
+    depth: int | None
+    learn: Any
+    skip: Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step trains: ``depth`` or ``learn`` (not both), and ``skip``.
+
+    ``depth=None`` with ``learn=None`` means no cut (every block learns). ``learn`` holds block
+    positions and/or module names; ``skip`` holds block positions that run with no graph while
+    the gradient passes around them (DropBP).
+
+    >>> Plan(learn=frozenset({1, 3})).learning(5)
+    frozenset({1, 3})
+    >>> Plan(depth=2, skip=frozenset({4})).metrics(5)
+    {'depth': 2, 'learning_blocks': 1, 'skipped_blocks': 1, 'learning_share': 0.2}
+    """
+
+    depth: int | None = None
+    learn: frozenset[int | str] | None = None
+    skip: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.depth is not None and self.learn is not None:
+            raise InvalidOptionError(
+                f"Plan(depth={self.depth!r}, learn={set(self.learn)!r}) sets both; expected "
+                "one of them (depth=k is learn={n-k, ..., n-1})."
+            )
+
+    def apply(self, gate: _Gate) -> None:
+        """Set this plan on a gate (one field write each)."""
+        if self.learn is not None:
+            gate.learn = self.learn
+        else:
+            gate.depth = self.depth
+        gate.skip = self.skip
+
+    def learning(self, n: int) -> frozenset[int]:
+        """Positions of the blocks that get weight gradients in a model of ``n`` blocks."""
+        if self.learn is not None:
+            planned = {i % n for i in self.learn if isinstance(i, int)}
+        elif self.depth is not None:
+            planned = set(range(n - self.depth, n))
+        else:
+            planned = set(range(n))
+        return frozenset(planned - self.skip)
+
+    def metrics(self, n: int) -> dict[str, float]:
+        """Numbers to log for this plan: depth (for a depth plan), counts and learning share."""
+        learning = len(self.learning(n))
+        found: dict[str, float] = {} if self.depth is None else {"depth": self.depth}
+        found.update(
+            learning_blocks=learning,
+            skipped_blocks=len(self.skip),
+            learning_share=round(learning / n, 6),
+        )
+        return found
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.learn is not None:
+            parts.append(f"learn={_sorted(self.learn)}")
+        else:
+            parts.append(f"depth={self.depth}")
+        if self.skip:
+            parts.append(f"skip={sorted(self.skip)}")
+        return f"Plan({', '.join(parts)})"
+
+
+class Schedule:
+    """Base of every schedule: a plan per step, seeded, resumable.
+
+    Subclasses implement ``_plan(step)`` and ``_config()``; ``finished(step)`` says which blocks
+    will never learn again from ``step`` on (their optimizer state can go, see
+    :func:`gradgate.optim.drop_finished`).
+    """
+
+    def __init__(self, n: int, *, seed: int = 0) -> None:
+        self.n = _count("n", n, low=1)
+        self.seed = _integer("seed", seed)
+        self.next_step = 0
+
+    # -- the plan ------------------------------------------------------------------------------
+    def plan(self, step: int) -> Plan:
+        """The plan for ``step`` (a pure function of the configuration, the seed and ``step``)."""
+        return self._plan(_count("step", step, low=0))
+
+    def apply(self, gate: _Gate, step: int | None = None) -> Plan:
+        """Set the plan for ``step`` on ``gate`` and return it.
+
+        Without ``step`` the schedule counts itself: ``next_step`` (saved by
+        :meth:`state_dict`), then one more on each call.
+        """
+        blocks = len(gate.blocks)
+        if blocks != self.n:
+            raise InvalidOptionError(
+                f"{self!r} plans over {self.n} blocks but the gate has {blocks}; build the "
+                f"schedule with n={blocks} (len(gate.blocks))."
+            )
+        step = self.next_step if step is None else step
+        plan = self.plan(step)
+        plan.apply(gate)
+        self.next_step = step + 1
+        return plan
+
+    def finished(self, step: int) -> frozenset[int]:
+        """Blocks that learn at no step ``>= step`` (none, unless the schedule says so)."""
+        _count("step", step, low=0)
+        return frozenset()
+
+    # -- resuming ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the same sequence."""
+        return {
+            "schedule": type(self).__name__,
+            "config": self._config(),
+            "seed": self.seed,
+            "next_step": self.next_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; the schedule must be built with the same configuration."""
+        expected = {"schedule": type(self).__name__, "config": self._config()}
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise InvalidOptionError(
+                    f"the state's {key} is {state.get(key)!r} but this {type(self).__name__} "
+                    f"has {value!r}; build the schedule with the same arguments as the run "
+                    "that saved the state."
+                )
+        self.seed = _integer("seed", state["seed"])
+        self.next_step = _count("next_step", state["next_step"], low=0)
+
+    # -- for subclasses ------------------------------------------------------------------------
+    def _plan(self, step: int) -> Plan:
+        raise NotImplementedError
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def _rng(self, *key: int) -> random.Random:
+        """A generator that depends only on the schedule, its seed and ``key`` (no global RNG)."""
+        text = ":".join(str(k) for k in (type(self).__name__, self.seed, *key))
+        return random.Random(text)  # str seeds hash with SHA-512: stable across processes
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items() if k != "n")
+        return f"{type(self).__name__}({self.n}{', ' if args else ''}{args}, seed={self.seed})"
+
+
+class RandomDepth(Schedule):
+    """A depth drawn uniformly from ``low..high`` (inclusive) at every step.
+
+    >>> sched = RandomDepth(12, low=1, high=4, seed=0)
+    >>> [sched.plan(step).depth for step in range(8)] == [sched.plan(s).depth for s in range(8)]
+    True
+    >>> all(1 <= sched.plan(step).depth <= 4 for step in range(100))
+    True
+    """
+
+    def __init__(self, n: int, low: int = 1, high: int | None = None, *, seed: int = 0) -> None:
+        super().__init__(n, seed=seed)
+        self.low = _count("low", low, low=0, high=self.n)
+        self.high = self.n if high is None else _count("high", high, low=self.low, high=self.n)
+
+    def _plan(self, step: int) -> Plan:
+        return Plan(depth=self._rng(step).randint(self.low, self.high))
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n, "low": self.low, "high": self.high}
+
+
+class LISA(Schedule):
+    """LISA: ``k`` random blocks learn, resampled every ``every`` steps; ``always`` learn too.
+
+    ``always`` holds block positions and/or module names (the embeddings, e.g.
+    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. What runs after
+    the last block (the head) learns anyway. Blocks between the earliest learner and the head
+    that were not drawn pass gradients but get none.
+
+    >>> sched = LISA(8, k=2, every=5, always=["embed"], seed=1)
+    >>> sched.plan(0) == sched.plan(4), sched.plan(0).learning(8) == sched.plan(5).learning(8)
+    (True, False)
+    >>> sched.plan(0)
+    Plan(learn=[0, 1, 'embed'])
+    """
+
+    def __init__(
+        self,
+        n: int,
+        k: int = 2,
+        *,
+        every: int = 20,
+        always: Iterable[int | str] = (),
+        seed: int = 0,
+    ) -> None:
+        super().__init__(n, seed=seed)
+        self.every = _count("every", every, low=1)
+        self.always = _learn_items("always", always, self.n)
+        self._pool = [i for i in range(self.n) if i not in self.always]
+        self.k = _count("k", k, low=0, high=len(self._pool))
+
+    def _plan(self, step: int) -> Plan:
+        drawn = self._rng(step // self.every).sample(self._pool, self.k)
+        return Plan(learn=frozenset(drawn) | self.always)
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n, "k": self.k, "every": self.every, "always": _sorted(self.always)}
+
+
+class DropBP(Schedule):
+    """DropBP: each block skips its backward with its own probability, drawn anew every step.
+
+    Give one ``rate`` for all blocks or ``rates`` per block. Skipped blocks run with no graph
+    and the gradient passes around them through the residual path (see ``gate.skip``); the
+    other blocks, and everything else, learn.
+
+    >>> sched = DropBP(4, rates=[0.0, 0.0, 1.0, 1.0])
+    >>> sched.plan(0)
+    Plan(depth=None, skip=[2, 3])
+    """
+
+    def __init__(
+        self,
+        n: int,
+        rate: float | None = None,
+        *,
+        rates: Sequence[float] | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(n, seed=seed)
+        if (rate is None) == (rates is None):
+            raise InvalidOptionError(
+                f"DropBP got rate={rate!r} and rates={rates!r}; expected exactly one: a drop "
+                "rate for every block (rate=0.5) or one per block (rates=[...])."
+            )
+        if rates is None:
+            rates = [rate] * self.n  # type: ignore[list-item]
+        rates = list(rates)
+        if len(rates) != self.n:
+            raise InvalidOptionError(
+                f"rates has {len(rates)} entries; expected one per block ({self.n})."
+            )
+        self.rates = [_probability(f"rates[{i}]", r) for i, r in enumerate(rates)]
+
+    def _plan(self, step: int) -> Plan:
+        rng = self._rng(step)
+        return Plan(skip=frozenset(i for i, r in enumerate(self.rates) if rng.random() < r))
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n, "rates": self.rates}
+
+
+class FreezeOut(Schedule):
+    """FreezeOut: block ``i`` stops learning at its own step, the first blocks first.
+
+    Block 0 stops at ``first * total_steps``, the last block at ``total_steps``; the blocks
+    between are spaced ``"linear"`` or ``"cubic"`` (more steps for the later blocks). Or give
+    the steps outright with ``stops=[...]`` (non-decreasing). The plan is a depth: what runs
+    after the blocks keeps learning.
+
+    >>> sched = FreezeOut(4, total_steps=100, first=0.4)
+    >>> sched.stops
+    [40, 60, 80, 100]
+    >>> [sched.plan(step).depth for step in (0, 40, 79, 80, 100)]
+    [4, 3, 2, 1, 0]
+    >>> sorted(sched.finished(60))
+    [0, 1]
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        total_steps: int | None = None,
+        first: float = 0.5,
+        spacing: Literal["linear", "cubic"] = "linear",
+        stops: Sequence[int] | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(n, seed=seed)
+        if (total_steps is None) == (stops is None):
+            raise InvalidOptionError(
+                f"FreezeOut got total_steps={total_steps!r} and stops={stops!r}; expected "
+                "exactly one: total_steps=... (with first= and spacing=) or stops=[...]."
+            )
+        if stops is None:
+            check_choice("spacing", spacing, ("linear", "cubic"))
+            total = _count("total_steps", total_steps, low=1)
+            first = _probability("first", first)
+            self.stops = _spaced_stops(self.n, total, first, spacing)
+        else:
+            self.stops = [_count(f"stops[{i}]", s, low=0) for i, s in enumerate(stops)]
+            if len(self.stops) != self.n:
+                raise InvalidOptionError(
+                    f"stops has {len(self.stops)} entries; expected one per block ({self.n})."
+                )
+            if self.stops != sorted(self.stops):
+                raise InvalidOptionError(
+                    f"stops={self.stops} decreases; expected non-decreasing steps (the first "
+                    "blocks stop first), e.g. stops=sorted(stops)."
+                )
+
+    def _plan(self, step: int) -> Plan:
+        return Plan(depth=self.n - len(self.finished(step)))
+
+    def finished(self, step: int) -> frozenset[int]:
+        _count("step", step, low=0)
+        return frozenset(i for i, stop in enumerate(self.stops) if stop <= step)
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n, "stops": self.stops}
+
+
+class GradualUnfreeze(Schedule):
+    """Gradual unfreezing (ULMFiT, Lightning's BackboneFinetuning): the learning suffix grows.
+
+    The depth is ``start``, then ``by`` more every ``every`` steps, up to all ``n`` blocks;
+    with ``then_all=True`` the step after that has no cut at all (what runs before the
+    blocks, such as the embeddings, learns too).
+
+    >>> sched = GradualUnfreeze(3, every=2, start=0, then_all=True)
+    >>> [sched.plan(step).depth for step in range(9)]
+    [0, 0, 1, 1, 2, 2, 3, 3, None]
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        every: int,
+        start: int = 1,
+        by: int = 1,
+        then_all: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(n, seed=seed)
+        self.every = _count("every", every, low=1)
+        self.start = _count("start", start, low=0, high=self.n)
+        self.by = _count("by", by, low=1)
+        if not isinstance(then_all, bool):
+            raise InvalidOptionError(f"then_all={then_all!r}; expected True or False.")
+        self.then_all = then_all
+
+    def _plan(self, step: int) -> Plan:
+        depth = self.start + (step // self.every) * self.by
+        if depth > self.n and self.then_all:
+            return Plan(depth=None)
+        return Plan(depth=min(depth, self.n))
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "every": self.every,
+            "start": self.start,
+            "by": self.by,
+            "then_all": self.then_all,
+        }
+
+
+# -- validation ------------------------------------------------------------------------------
+def _integer(option: str, value: object) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidOptionError(
+            f"{option}={value!r} ({type(value).__name__}); expected an integer."
+        )
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def _count(option: str, value: object, *, low: int, high: int | None = None) -> int:
+    number = _integer(option, value)
+    if number < low or (high is not None and number > high):
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidOptionError(f"{option}={number} is out of range; expected {bounds}.")
+    return number
+
+
+def _probability(option: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidOptionError(f"{option}={value!r}; expected a number in [0, 1].")
+    if not 0.0 <= value <= 1.0:
+        raise InvalidOptionError(f"{option}={value!r} is out of range; expected [0, 1].")
+    return float(value)
+
+
+def _learn_items(option: str, items: Iterable[int | str], n: int) -> frozenset[int | str]:
+    if isinstance(items, (str, int)):
+        items = [items]
+    found: set[int | str] = set()
+    for item in items:
+        if isinstance(item, str):
+            found.add(item)
+        else:
+            found.add(_count(f"{option} entry", item, low=-n, high=n - 1) % n)
+    return frozenset(found)
+
+
+def _spaced_stops(n: int, total: int, first: float, spacing: str) -> list[int]:
+    stops = []
+    for i in range(n):
+        along = i / (n - 1) if n > 1 else 1.0
+        if spacing == "linear":
+            fraction = first + (1 - first) * along
+        else:
+            root = first ** (1 / 3)
+            fraction = (root + (1 - root) * along) ** 3
+        stops.append(round(fraction * total))
+    return stops
+
+
+def _sorted(items: Iterable[int | str]) -> list[int | str]:
+    return sorted(items, key=lambda v: (isinstance(v, str), v))  # type: ignore[return-value]

@@ -1,0 +1,277 @@
+"""Schedules: plans as pure functions of (seed, step), resumable, applied to a real gate."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import gradgate as gg
+from gradgate.schedules import LISA, DropBP, FreezeOut, GradualUnfreeze, Plan, RandomDepth
+
+N = 6
+
+
+def every_schedule(seed: int = 0) -> list[gg.schedules.Schedule]:
+    return [
+        RandomDepth(N, low=1, high=4, seed=seed),
+        LISA(N, k=2, every=3, always=["0"], seed=seed),
+        DropBP(N, rates=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], seed=seed),
+        FreezeOut(N, total_steps=500, first=0.3, spacing="cubic", seed=seed),
+        GradualUnfreeze(N, every=50, start=0, then_all=True, seed=seed),
+    ]
+
+
+def residual_net(n: int = N) -> nn.Module:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.f(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(3, 4)
+            self.blocks = nn.ModuleList([Residual() for _ in range(n)])
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+# -- determinism and resuming ------------------------------------------------------------------
+@pytest.mark.parametrize("index", range(5))
+def test_same_seed_same_plans_over_1000_steps(index: int) -> None:
+    first, second = every_schedule(7)[index], every_schedule(7)[index]
+    plans = [first.plan(step) for step in range(1000)]
+    assert plans == [second.plan(step) for step in range(1000)]
+    # out of order and repeated queries give the same plan: no hidden RNG state
+    assert [first.plan(step) for step in reversed(range(1000))] == plans[::-1]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_random_schedules_depend_on_the_seed_only(index: int) -> None:
+    torch.manual_seed(123)
+    import random
+
+    random.seed(5)
+    a = [every_schedule(1)[index].plan(s) for s in range(200)]
+    torch.manual_seed(999)
+    random.seed(77)
+    b = [every_schedule(1)[index].plan(s) for s in range(200)]
+    c = [every_schedule(2)[index].plan(s) for s in range(200)]
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 3  # it does vary over the steps
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_resume_from_state_dict_continues_the_sequence(index: int) -> None:
+    gate_model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])
+    gate = gg.BackpropGate(gate_model)
+    original = every_schedule(3)[index]
+    plans = [original.apply(gate) for _ in range(300)]
+    state = pickle.loads(pickle.dumps(original.state_dict()))
+    resumed = every_schedule(0)[index]  # another seed: the state's seed wins
+    resumed.load_state_dict(state)
+    assert resumed.next_step == 300
+    later = [resumed.apply(gate) for _ in range(300)]
+    uninterrupted = copy.deepcopy(original)
+    assert later == [uninterrupted.apply(gate) for _ in range(300)]
+    assert plans + later == [every_schedule(3)[index].plan(s) for s in range(600)]
+    gate.remove()
+
+
+def test_load_state_dict_of_another_configuration_raises() -> None:
+    state = LISA(N, k=2, every=3).state_dict()
+    with pytest.raises(gg.InvalidOptionError, match=r"config is .*'k': 2.* but this LISA has"):
+        LISA(N, k=3, every=3).load_state_dict(state)
+    with pytest.raises(gg.InvalidOptionError, match="schedule is 'LISA' but this RandomDepth"):
+        RandomDepth(N).load_state_dict(state)
+
+
+# -- what each schedule plans ------------------------------------------------------------------
+def test_random_depth_covers_its_range_uniformly() -> None:
+    depths = [RandomDepth(N, low=2, high=4, seed=0).plan(s).depth for s in range(3000)]
+    counts = {d: depths.count(d) for d in set(depths)}
+    assert set(counts) == {2, 3, 4}
+    assert all(900 < c < 1100 for c in counts.values())
+
+
+def test_lisa_draws_k_blocks_per_window_and_always_learns_the_rest() -> None:
+    sched = LISA(N, k=2, every=4, always=["embed", -1], seed=0)
+    windows = []
+    for step in range(400):
+        plan = sched.plan(step)
+        assert plan.depth is None and plan.skip == frozenset()
+        assert "embed" in plan.learn and N - 1 in plan.learn
+        drawn = {i for i in plan.learn if isinstance(i, int)} - {N - 1}
+        assert len(drawn) == 2  # drawn among the blocks that do not always learn
+        if step % 4:
+            assert plan == sched.plan(step - 1)  # fixed within a window
+        else:
+            windows.append(frozenset(drawn))
+    assert len(set(windows)) > 5
+    chosen = [i for w in windows for i in w]
+    assert set(chosen) == set(range(N - 1))
+
+
+def test_dropbp_drops_each_block_at_its_rate() -> None:
+    rates = [0.0, 0.25, 0.5, 0.75, 1.0, 0.5]
+    sched = DropBP(N, rates=rates, seed=0)
+    plans = [sched.plan(s) for s in range(4000)]
+    for i, rate in enumerate(rates):
+        share = sum(i in p.skip for p in plans) / len(plans)
+        assert abs(share - rate) < 0.03, (i, share)
+    assert all(p.depth is None and p.learn is None for p in plans)
+    assert DropBP(N, 0.5).rates == [0.5] * N
+
+
+def test_freezeout_stops_the_first_blocks_first_and_never_restarts() -> None:
+    sched = FreezeOut(4, total_steps=100, first=0.5)
+    assert sched.stops == [50, 67, 83, 100]
+    depths = [sched.plan(s).depth for s in range(120)]
+    assert depths == [4] * 50 + [3] * 17 + [2] * 16 + [1] * 17 + [0] * 20
+    cubic = FreezeOut(4, total_steps=100, first=0.5, spacing="cubic").stops
+    assert cubic[0] == 50 and cubic[-1] == 100 and cubic[1] < 67
+    for step in range(120):
+        gone = sched.finished(step)
+        later = [sched.plan(s).learning(4) for s in range(step, 130)]
+        assert all(not (gone & learning) for learning in later)
+        assert gone == frozenset(range(4 - depths[step]))
+
+
+def test_gradual_unfreeze_grows_by_every_steps() -> None:
+    sched = GradualUnfreeze(4, every=3, start=1, by=2)
+    assert [sched.plan(s).depth for s in range(10)] == [1, 1, 1, 3, 3, 3, 4, 4, 4, 4]
+    assert GradualUnfreeze(2, every=1, start=2, then_all=True).plan(1) == Plan(depth=None)
+    assert GradualUnfreeze(2, every=1, start=2).plan(1) == Plan(depth=2)
+
+
+def test_plan_metrics() -> None:
+    assert Plan(depth=None).metrics(4) == {
+        "learning_blocks": 4,
+        "skipped_blocks": 0,
+        "learning_share": 1.0,
+    }
+    assert Plan(learn=frozenset({0, "embed", -1})).metrics(4)["learning_blocks"] == 2
+    assert Plan(depth=3, skip=frozenset({3})).metrics(4) == {
+        "depth": 3,
+        "learning_blocks": 2,
+        "skipped_blocks": 1,
+        "learning_share": 0.5,
+    }
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: RandomDepth(0), r"n=0 is out of range; expected >= 1"),
+        (lambda: RandomDepth(4, low=3, high=2), r"high=2 is out of range; expected 3..4"),
+        (lambda: RandomDepth(4, low=5), r"low=5 is out of range; expected 0..4"),
+        (lambda: RandomDepth(4, seed=1.5), r"seed=1.5 \(float\); expected an integer"),
+        (lambda: LISA(4, k=5), r"k=5 is out of range; expected 0..4"),
+        (lambda: LISA(4, every=0), r"every=0 is out of range; expected >= 1"),
+        (lambda: LISA(4, always=[7]), r"always entry=7 is out of range; expected -4..3"),
+        (lambda: DropBP(4), r"rate=None and rates=None; expected exactly one"),
+        (lambda: DropBP(4, 0.5, rates=[0.5] * 4), r"expected exactly one"),
+        (lambda: DropBP(4, 1.5), r"rates\[0\]=1.5 is out of range; expected \[0, 1\]"),
+        (lambda: DropBP(4, rates=[0.1]), r"rates has 1 entries; expected one per block \(4\)"),
+        (lambda: FreezeOut(4), r"total_steps=None and stops=None; expected exactly one"),
+        (lambda: FreezeOut(2, stops=[5, 3]), r"stops=\[5, 3\] decreases"),
+        (lambda: FreezeOut(2, total_steps=9, spacing="log"), r"spacing='log' is not allowed"),
+        (lambda: GradualUnfreeze(4, every=2, by=0), r"by=0 is out of range; expected >= 1"),
+        (lambda: Plan(depth=1, learn=frozenset({2})), r"sets both; expected one of them"),
+        (lambda: RandomDepth(4).plan(-1), r"step=-1 is out of range; expected >= 0"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(build, message: str) -> None:
+    with pytest.raises(gg.InvalidOptionError, match=message):
+        build()
+
+
+def test_apply_to_a_gate_of_another_size_raises() -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    message = r"plans over 6 blocks but the gate has 3"
+    with gg.BackpropGate(net) as gate, pytest.raises(gg.InvalidOptionError, match=message):
+        RandomDepth(6).apply(gate, 0)
+
+
+# -- on a real gate ----------------------------------------------------------------------------
+def test_depth_schedules_set_the_gate_depth() -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])
+    with gg.BackpropGate(net) as gate:
+        for sched in [
+            RandomDepth(N, seed=4),
+            FreezeOut(N, total_steps=30),
+            GradualUnfreeze(N, every=4),
+        ]:
+            for step in range(30):
+                plan = sched.apply(gate, step)
+                assert gate.depth == plan.depth
+                net.zero_grad(set_to_none=True)
+                net(torch.randn(2, 2)).sum().backward()
+                learned = {i for i, layer in enumerate(net) if layer.weight.grad is not None}
+                assert learned == plan.learning(N)
+
+
+def test_lisa_on_a_gate_trains_exactly_the_drawn_blocks() -> None:
+    net = residual_net()
+    sched = LISA(N, k=2, every=1, always=["embed"], seed=0)
+    x = torch.randn(5, 3)
+    with gg.BackpropGate(net, "blocks.*") as gate:
+        for step in range(8):
+            plan = sched.apply(gate, step)
+            net.zero_grad(set_to_none=True)
+            net(x).pow(2).sum().backward()
+            got = {name: p.grad for name, p in net.named_parameters() if p.grad is not None}
+            learning = {f"blocks.{i}." for i in plan.learning(N)} | {"embed.", "head."}
+            assert {n for n in got} == {
+                n for n, _ in net.named_parameters() if any(n.startswith(s) for s in learning)
+            }
+            full = copy.deepcopy(net)
+            names = [n for n, _ in full.named_parameters()]
+            grads = torch.autograd.grad(full(x).pow(2).sum(), list(full.parameters()))
+            for name, grad in zip(names, grads, strict=True):
+                if name in got:
+                    torch.testing.assert_close(got[name], grad)
+
+
+def test_dropbp_on_a_gate_matches_the_hand_written_reference() -> None:
+    net = residual_net()
+    sched = DropBP(N, 0.5, seed=3)
+    x = torch.randn(5, 3)
+    with gg.BackpropGate(net, "blocks.*") as gate:
+        for step in range(6):
+            plan = sched.apply(gate, step)
+            net.zero_grad(set_to_none=True)
+            net(x).pow(2).sum().backward()
+            ref = copy.deepcopy(net)
+            h = ref.embed(x)
+            for i, block in enumerate(ref.blocks):
+                h = h + torch.tanh(block.f(h)).detach() if i in plan.skip else block(h)
+            grads = torch.autograd.grad(
+                ref.head(h).pow(2).sum(), list(ref.parameters()), allow_unused=True
+            )
+            for (name, param), grad in zip(net.named_parameters(), grads, strict=True):
+                if grad is None:
+                    assert param.grad is None, name
+                else:
+                    torch.testing.assert_close(param.grad, grad)
+            skipped = {f"blocks.{i}.f.weight" for i in plan.skip}
+            assert skipped == {
+                n for n, p in net.named_parameters() if p.grad is None and n.endswith("weight")
+            }
