@@ -1,23 +1,45 @@
-"""README's first example runs, and its two set-up commands are the ones CI runs."""
+"""README's first screen: the example runs on a plain install and prints what it shows, the two
+set-up commands are the ones CI runs, and what it says about the demo and license is true."""
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+from gradgate import _demo
+from gradgate._demo._page import REPORT_NAME
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
+FIRST_EXAMPLE = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", README, re.DOTALL)
 
 
-def test_first_example_runs_and_is_short() -> None:
-    example = re.search(r"```python\n(.*?)```", README, re.DOTALL)
-    assert example is not None
-    code = example.group(1)
+def test_first_example_is_short_and_needs_only_torch() -> None:
+    assert FIRST_EXAMPLE is not None
+    code = FIRST_EXAMPLE.group(1)
     assert len(code.strip().splitlines()) <= 10
-    namespace: dict[str, object] = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    model = namespace["model"]
-    assert not model._forward_pre_hooks  # type: ignore[attr-defined]  # gate.remove() ran
+    imported = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported == {"torch", "gradgate"}
+    before = README[: FIRST_EXAMPLE.start()]
+    assert "`pip install torch==2.13.0 -e .`" in before  # the install it runs with
+
+
+def test_first_example_prints_what_it_shows_and_warns_nothing() -> None:
+    assert FIRST_EXAMPLE is not None
+    code, shown = FIRST_EXAMPLE.groups()
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.stderr == ""
+    assert result.stdout == shown
 
 
 def test_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
@@ -27,3 +49,15 @@ def test_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
     assert demo.endswith("gradgate demo") and "torch==2.13.0" in demo
     assert tests.endswith("python -m pytest") and "torch==2.13.0" in tests
     assert tests in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_says_where_the_demo_writes_its_report() -> None:
+    assert f"`{_demo.DEFAULT_OUT / REPORT_NAME}`" in README
+    assert "--out" in README
+
+
+def test_license_is_the_one_pyproject_declares() -> None:
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.startswith("MIT License\n\nCopyright (c) 2026 the gradgate authors\n")
+    assert 'license = { text = "MIT" }' in (ROOT / "pyproject.toml").read_text()
+    assert "[LICENSE](LICENSE)" in README
