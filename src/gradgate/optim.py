@@ -1,0 +1,235 @@
+"""Optimizers for partial training: groups per block, missing parameters, state that can go.
+
+>>> import torch, gradgate as gg
+>>> net = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3)], torch.nn.ReLU())
+>>> groups = gg.optim.param_groups(net, lr=1.0, decay=0.5)
+>>> [(g["name"], g["lr"]) for g in groups]
+[('0', 0.25), ('1', 0.5), ('2', 1.0)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._errors import InvalidOptionError
+from ._select import Pattern, check_module, resolve_blocks
+
+if TYPE_CHECKING:
+    from .schedules import Schedule
+
+__all__ = ["add_missing", "drop_finished", "drop_state", "param_groups", "state_bytes"]
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    lr: float | Sequence[float],
+    decay: float | None = None,
+    blocks: Sequence[Pattern] | str | None = None,
+    rest_lr: float | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """One optimizer parameter group per block, and one (``"rest"``) for everything else.
+
+    ``lr`` is the last block's learning rate, or a sequence with one rate per block.
+    ``decay`` is layer-wise learning-rate decay: block ``i`` of ``n`` gets
+    ``lr * decay ** (n - 1 - i)``. ``rest`` (embeddings, head, final norm) gets ``rest_lr``,
+    by default the last block's rate. ``options`` (``weight_decay=...``) go into every group.
+    Each group has a ``"name"``; a parameter shared by several modules is in one group only.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> opt = torch.optim.AdamW(gg.optim.param_groups(net, lr=[0.1, 0.2], blocks="*"))
+    >>> [(g["name"], g["lr"]) for g in opt.param_groups]
+    [('0', 0.1), ('1', 0.2)]
+    """
+    check_module(model)
+    points = resolve_blocks(model, blocks)
+    rates = _block_rates(lr, decay, len(points))
+    seen: set[int] = set()
+    groups = []
+    for (name, module), rate in zip(points, rates, strict=True):
+        params = _new_params(module.parameters(), seen)
+        if params:
+            groups.append({"params": params, "lr": rate, "name": name, **options})
+    rest = _new_params(model.parameters(), seen)
+    if rest:
+        groups.append(
+            {
+                "params": rest,
+                "lr": rates[-1] if rest_lr is None else rest_lr,
+                "name": "rest",
+                **options,
+            }
+        )
+    return groups
+
+
+def add_missing(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    *,
+    trainable_only: bool = True,
+    **options: Any,
+) -> list[str]:
+    """Add the model's parameters that no group of ``optimizer`` holds; return their names.
+
+    Parameters unfrozen after the optimizer was built otherwise never train. They go into
+    one new group with ``options`` (the optimizer's defaults fill the rest).
+    ``trainable_only=False`` adds frozen parameters too.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> opt = torch.optim.SGD(net[1].parameters(), lr=0.1)
+    >>> gg.optim.add_missing(opt, net, lr=0.01)
+    ['0.weight', '0.bias']
+    >>> [g["lr"] for g in opt.param_groups]
+    [0.1, 0.01]
+    """
+    check_module(model)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing: list[tuple[str, nn.Parameter]] = []
+    for name, param in model.named_parameters():
+        if id(param) not in held and (param.requires_grad or not trainable_only):
+            held.add(id(param))
+            missing.append((name, param))
+    if missing:
+        optimizer.add_param_group({"params": [p for _, p in missing], **options})
+    return [name for name, _ in missing]
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's per-parameter state (momentum, Adam moments, ...).
+
+    >>> import torch, gradgate as gg
+    >>> layer = torch.nn.Linear(10, 10)  # 110 float32 parameters
+    >>> opt = torch.optim.AdamW(layer.parameters())
+    >>> layer(torch.randn(2, 10)).sum().backward(); opt.step()
+    >>> gg.optim.state_bytes(opt)  # two moments of 440 bytes each, two step counters
+    888
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key not in seen or storage.data_ptr() == 0:
+                    seen.add(key)
+                    total += storage.nbytes()
+    return total
+
+
+def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[torch.Tensor]) -> int:
+    """Forget the optimizer state of ``params`` (a module or parameters); return bytes freed.
+
+    For parameters that will not learn again: their ``.grad`` stays ``None``, so the optimizer
+    skips them, and their moments are dead weight. Should one learn again, its state restarts
+    from zero, as for a new parameter.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 1))
+    >>> opt = torch.optim.AdamW(net.parameters())
+    >>> net(torch.randn(2, 10)).sum().backward(); opt.step()
+    >>> gg.optim.drop_state(opt, net[0])
+    888
+    >>> gg.optim.state_bytes(opt)
+    96
+    """
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    before = state_bytes(optimizer)
+    for param in params:
+        optimizer.state.pop(param, None)
+    return before - state_bytes(optimizer)
+
+
+def drop_finished(
+    optimizer: torch.optim.Optimizer,
+    gate: Any,
+    schedule: Schedule,
+    step: int,
+) -> int:
+    """Drop the optimizer state of the blocks ``schedule`` says never learn again from ``step``.
+
+    ``gate`` is the :class:`gradgate.BackpropGate` the schedule drives. Parameters shared with
+    a block (or module) that still learns are kept. Returns the bytes freed.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(*[torch.nn.Linear(10, 10) for _ in range(3)])
+    >>> gate = gg.BackpropGate(net)
+    >>> sched = gg.schedules.FreezeOut(3, stops=[1, 2, 3])
+    >>> opt = torch.optim.AdamW(net.parameters())
+    >>> for step in range(3):
+    ...     _ = sched.apply(gate, step)
+    ...     net(torch.randn(2, 10)).sum().backward(); opt.step(); opt.zero_grad()
+    ...     print(step, gg.optim.drop_finished(opt, gate, sched, step + 1))
+    0 888
+    1 888
+    2 888
+    >>> gate.remove()
+    """
+    finished = schedule.finished(step)
+    if not finished:
+        return 0
+    points = getattr(gate, "_points", None)
+    model = getattr(gate, "_model", None)
+    if points is None or model is None:
+        raise InvalidOptionError(
+            f"drop_finished needs the gradgate.BackpropGate the schedule drives; got "
+            f"{type(gate).__name__}."
+        )
+    if len(points) != schedule.n:
+        raise InvalidOptionError(
+            f"{schedule!r} plans over {schedule.n} blocks but the gate has {len(points)}; "
+            "pass the gate the schedule drives."
+        )
+    going = {id(p): p for i in finished for p in points[i][1].parameters()}
+    staying = [p for i, (_, m) in enumerate(points) if i not in finished for p in m.parameters()]
+    block_ids = {id(p) for _, m in points for p in m.parameters()}
+    staying += [p for p in model.parameters() if id(p) not in block_ids]
+    for param in staying:
+        going.pop(id(param), None)
+    return drop_state(optimizer, going.values())
+
+
+def _block_rates(lr: float | Sequence[float], decay: float | None, n: int) -> list[float]:
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        factor = 1.0 if decay is None else _positive("decay", decay)
+        return [float(lr) * factor ** (n - 1 - i) for i in range(n)]
+    if decay is not None:
+        raise InvalidOptionError(
+            f"decay={decay!r} with a learning rate per block; expected one: lr=[...] (one "
+            "per block) or lr=<float> with decay=<factor>."
+        )
+    try:
+        rates = [float(r) for r in lr]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidOptionError(
+            f"lr={lr!r}; expected a number or a sequence of numbers, one per block."
+        ) from None
+    if len(rates) != n:
+        raise InvalidOptionError(
+            f"lr has {len(rates)} rates; expected one per block ({n}), or a single number."
+        )
+    return rates
+
+
+def _positive(option: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidOptionError(f"{option}={value!r}; expected a number > 0.")
+    return float(value)
+
+
+def _new_params(params: Iterable[nn.Parameter], seen: set[int]) -> list[nn.Parameter]:
+    found = []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            found.append(param)
+    return found
