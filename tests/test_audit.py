@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import models
@@ -357,3 +358,173 @@ def test_report_lookup_error_names_the_module() -> None:
     report = _conv_audit(3)
     with pytest.raises(KeyError, match="no module 'nope' in this audit"):
         report.module("nope")
+
+
+# -- FLOP formulas: gradgate's own where torch's fails ------------------------------------------
+def _failing_formula(*args: Any, **kwargs: Any) -> int:
+    raise AssertionError("sdpa_backward_flop_count: batch/heads mismatch among tensors")
+
+
+def test_a_failing_torch_formula_falls_back_to_the_attention_formula(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils import flop_counter
+
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    expected = _audit_call(_Attention(), q, k, v).totals["backward_flops"]
+    assert expected == 5 * 512
+    aten = torch.ops.aten
+    for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+    ):
+        monkeypatch.setitem(flop_counter.flop_registry, op, _failing_formula)
+    report = _audit_call(_Attention(), q, k, v)
+    assert report.totals["backward_flops"] == expected
+    assert "not counted" not in report.table()
+
+
+def test_an_op_no_formula_can_count_is_named_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import flop_counter
+
+    monkeypatch.setitem(flop_counter.flop_registry, torch.ops.aten.mm, _failing_formula)
+    report = _audit_call(nn.Linear(4, 6, bias=False), torch.randn(3, 4, requires_grad=True))
+    assert _counts(report) == (1, 1)
+    assert report.totals["backward_flops"] == 0
+    assert "backward FLOPs not counted for aten.mm" in report.table()
+    assert gg.AuditReport.from_json(report.to_json()).table() == report.table()
+
+
+def test_grouped_query_attention_llama_is_audited_like_flop_counter_mode() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, batch, loss_fn = models.llama(layers=1)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    with gg.audit(model) as report:
+        loss_fn(model, batch).backward()
+    assert report.totals["backward_flops"] > 0 and report.totals["wgrad"] > 0
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = loss_fn(model, batch)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        with gg.audit(model) as report:
+            loss_fn(model, batch).backward()
+    whole = report.totals["backward_flops"] + report.outside.backward_flops
+    assert whole == counter.get_total_flops() > 0
+
+
+# -- the kernel view through gg.audit ----------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_kernels_without_cuda_fail_at_the_call_before_any_hook() -> None:
+    model, _, _ = models.conv_stack(3)
+    before = _hook_state(model)
+    with pytest.raises(gg.NoCudaError, match=r"kernels=True\) needs a CUDA device"):
+        gg.audit(model, kernels=True)
+    assert _hook_state(model) == before and _get_current_dispatch_mode() is None
+
+
+def test_kernels_are_only_there_when_asked_for() -> None:
+    report = _conv_audit(3)
+    with pytest.raises(AuditNotReadyError, match=r"only with gg.audit\(model, kernels=True\)"):
+        report.kernels  # noqa: B018
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel names need a CUDA device")
+def test_kernel_view_matches_the_node_counts_on_gpu() -> None:
+    model, x, loss_fn = models.conv_stack(10)
+    model, x = model.cuda(), x.cuda()
+    loss_fn(model, x).backward()  # warm up cuDNN's algorithm choice
+    model.zero_grad(set_to_none=True)
+    with gg.audit(model, kernels=True) as report:
+        loss_fn(model, x).backward()
+    print(report.kernels.table())
+    counts = report.kernels.counts
+    assert (counts["wgrad"], counts["dgrad"]) == _counts(report) == (10, 9)
+    assert counts["forward"] >= 10
+    assert "Instances" in str(report.kernels)
+
+
+# -- nested audits, reading too early, reuse, bad options ----------------------------------------
+def test_nested_audits_both_count_saved_bytes() -> None:
+    alone = _conv_audit(3)
+    model, x, loss_fn = models.conv_stack(3)
+    with gg.audit(model) as outer:
+        with gg.audit(model) as inner:
+            loss_fn(model, x).backward()
+    assert alone.totals["saved_bytes"] == 24 * (24**2 + 22**2 + 20**2)
+    assert inner.totals == outer.totals == alone.totals
+
+
+def test_audit_inside_user_saved_tensor_hooks_keeps_them_working() -> None:
+    model, x, loss_fn = models.conv_stack(3)
+    packed: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(1)
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with gg.audit(model) as report:
+            loss_fn(model, x).backward()
+    assert len(packed) > 0 and report.totals == _conv_audit(3).totals
+
+
+def test_backward_after_the_block_is_said_in_the_table() -> None:
+    model, x, loss_fn = models.conv_stack(3)
+    with pytest.warns(NoBackwardWarning, match=r"Call loss.backward\(\) inside"):
+        with gg.audit(model) as report:
+            loss = loss_fn(model, x)
+    loss.backward()
+    table = report.table()
+    assert "no backward ran inside this audit" in table
+    assert "wasted gradients: none" not in table
+    assert report.backward_seen is False and _counts(report) == (0, 0)
+    assert report.totals["saved_bytes"] == 24 * (24**2 + 22**2 + 20**2)  # the forward counted
+    assert "no backward ran inside this audit" in report._repr_html_()
+
+
+def test_reading_a_report_before_it_ran_says_how_to_use_it() -> None:
+    model, x, loss_fn = models.conv_stack(3)
+    pending = gg.audit(model)
+    assert isinstance(pending, gg.AuditReport)
+    with pytest.raises(AuditNotReadyError, match=r"has not run: gg.audit\(model\) only prepares"):
+        pending.table()
+    with pytest.raises(AuditNotReadyError, match="has not run"):
+        pending.totals  # noqa: B018
+    assert "not run yet" in repr(pending) and "not run yet" in pending._repr_html_()
+    with pending as report:
+        with pytest.raises(AuditNotReadyError, match="still recording"):
+            report.totals  # noqa: B018
+        loss_fn(model, x).backward()
+    assert _counts(report) == (3, 2)
+    with pytest.raises(AuditNotReadyError, match="records once"):
+        with report:
+            pass
+
+
+def test_audit_is_typed_as_returning_the_public_report() -> None:
+    import typing
+
+    assert typing.get_type_hints(gg.audit)["return"] is gg.AuditReport
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"optimizer": "sgd"}, "gg.audit(optimizer=...) got str 'sgd'; expected a torch.optim"),
+        ({"kernels": "yes"}, "gg.audit(kernels=...) got 'yes'; expected True or False"),
+        ({"kernels": 1}, "gg.audit(kernels=...) got 1; expected True or False"),
+    ],
+)
+def test_bad_options_fail_at_the_call_before_any_hook(kwargs: dict[str, Any], message: str) -> None:
+    model, _, _ = models.conv_stack(3)
+    before = _hook_state(model)
+    with pytest.raises(gg.InvalidOptionError, match=re.escape(message)):
+        gg.audit(model, **kwargs)
+    assert _hook_state(model) == before and _get_current_dispatch_mode() is None
+
+
+def test_a_model_that_is_not_a_module_is_refused() -> None:
+    with pytest.raises(gg.InvalidOptionError, match=r"got function .*expected a torch.nn.Module"):
+        gg.audit(lambda x: x)  # type: ignore[arg-type]

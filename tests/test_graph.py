@@ -441,3 +441,29 @@ def test_render_png_and_svg_with_clusters_and_legend(tmp_path: Path) -> None:
     assert "0–7 ×8 (Conv2d)" in svg and "gradient stops here" in svg
     assert "frozen parameter: no wgrad" in svg
     assert g.to_svg() == svg
+
+
+# -- inline display in Jupyter ----------------------------------------------------------------
+
+
+@needs_dot
+def test_jupyter_shows_the_svg_inline() -> None:
+    model, x, loss_fn = conv_stack()
+    with gg.backprop_depth(model, 2):
+        g = gg.graph(loss_fn(model, x), model=model)
+    svg = g._repr_svg_()
+    assert svg is not None and "<svg" in svg and "gradient stops here" in svg
+    assert g._repr_html_() is None  # so Jupyter picks the SVG
+
+
+def test_jupyter_without_dot_shows_the_reason_and_the_dot_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    g = gg.graph(net(torch.randn(1, 2)).sum(), model=net)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert g._repr_svg_() is None
+    html = g._repr_html_()
+    assert html is not None and "not drawn" in html and "package &#x27;graphviz&#x27;" in html
+    assert "DOT source" in html and "digraph gradgate {" in html
+    assert "&lt;gradgate.Graph" in html and "<gradgate.Graph" not in html

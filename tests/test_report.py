@@ -136,3 +136,21 @@ def test_seed_kernel_counts_on_gpu() -> None:
     print(render_kernel_table(rows))
     counts = count_kinds(rows)
     assert (counts["wgrad"], counts["dgrad"]) == (10, 9)
+
+
+def test_jupyter_shows_the_report_as_html_tables(late_freeze_report: gg.AuditReport) -> None:
+    html = late_freeze_report._repr_html_()
+    assert "<table>" in html and "<h4>Totals</h4>" in html and "<h4>Wasted gradients</h4>" in html
+    assert "<td class='n'>209,952</td>" in html  # conv 2's backward FLOPs, as in the table
+    assert "<!DOCTYPE" not in html  # a fragment for the notebook cell, not a page
+
+
+def test_a_new_column_is_one_entry_in_the_records_module() -> None:
+    from gradgate._audit.records import COLUMNS, HEADERS, ModuleRecord
+
+    fields = {f for f in ModuleRecord.__dataclass_fields__ if f not in ("name", "type", "leaf")}
+    assert [c.field for c in COLUMNS] == [
+        "wgrad", "dgrad", "backward_flops", "saved_bytes", "seconds"
+    ]  # fmt: skip
+    assert {c.field for c in COLUMNS} == fields
+    assert HEADERS[2:] == tuple(c.header for c in COLUMNS)

@@ -246,6 +246,7 @@ class Recorder:
             wasted,
             forward_seen=self._tagger.forward_seen,
             backward_seen=self._backward_seen,
+            uncounted_ops=sorted(self._observer.uncounted),
         )
 
 

@@ -9,17 +9,19 @@ JSON document::
                   "backward_flops": int, "saved_bytes": int, "seconds": float}, ...],
      "outside": {same fields as a module},
      "wasted": [{"parameter": str, "module": str,
-                 "reason": "late_freeze" | "not_in_optimizer", "flops": int}, ...]}
+                 "reason": "late_freeze" | "not_in_optimizer", "flops": int}, ...],
+     "uncounted_ops": [str, ...]}
 
 ``totals`` is derived (the root module's row) and written for readers; loading ignores it.
-``backward_seen`` may be missing in documents of older versions (read as true).
+``backward_seen`` and ``uncounted_ops`` (ops whose backward FLOPs no formula could count) may
+be missing in documents of older versions (read as true and empty).
 """
 
 from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import GradgateError
@@ -42,6 +44,7 @@ class Figures:
     wasted: list[WastedGradient]
     forward_seen: bool
     backward_seen: bool
+    uncounted_ops: list[str] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -68,11 +71,18 @@ def render_table(figures: Figures, *, depth: int | None = None) -> str:
     )
     if not figures.forward_seen:
         lines.append(NO_FORWARD)
+    if figures.uncounted_ops:
+        lines.append(_uncounted(figures))
     if not figures.backward_seen:
         lines.append(NO_BACKWARD)
         return "\n".join(lines)
     lines.extend(_wasted_lines(figures))
     return "\n".join(lines)
+
+
+def _uncounted(figures: Figures) -> str:
+    ops = ", ".join(figures.uncounted_ops)
+    return f"backward FLOPs not counted for {ops}: no FLOP formula worked for these ops"
 
 
 def _wasted_lines(figures: Figures) -> list[str]:
@@ -172,6 +182,7 @@ def dumps(figures: Figures) -> str:
         "modules": [as_dict(record) for record in figures.modules],
         "outside": as_dict(figures.outside),
         "wasted": [as_dict(item) for item in figures.wasted],
+        "uncounted_ops": figures.uncounted_ops,
     }
     return json.dumps(document, indent=1)
 
@@ -191,6 +202,7 @@ def loads(text: str) -> Figures:
         [WastedGradient(**w) for w in document["wasted"]],
         forward_seen=bool(document["forward_seen"]),
         backward_seen=bool(document.get("backward_seen", True)),
+        uncounted_ops=list(document.get("uncounted_ops", [])),
     )
 
 
