@@ -52,9 +52,12 @@ def test_seed_middle_layer_frozen_keeps_both_dgrads() -> None:
 
 def test_seed_backprop_depth_two() -> None:
     model, x, loss_fn = models.conv_stack(10)
-    with pytest.warns(NoBackwardWarning, match="ended without a backward pass"):
-        with gg.audit(model) as report, gg.backprop_depth(model, 2):
-            loss = loss_fn(model, x)
+    with (
+        pytest.warns(NoBackwardWarning, match="ended without a backward pass"),
+        gg.audit(model) as report,
+        gg.backprop_depth(model, 2),
+    ):
+        loss = loss_fn(model, x)
     loss.backward()
     assert _counts(report) == (0, 0)  # the backward ran after the audit closed
     with gg.audit(model) as report:
@@ -449,9 +452,8 @@ def test_kernel_view_matches_the_node_counts_on_gpu() -> None:
 def test_nested_audits_both_count_saved_bytes() -> None:
     alone = _conv_audit(3)
     model, x, loss_fn = models.conv_stack(3)
-    with gg.audit(model) as outer:
-        with gg.audit(model) as inner:
-            loss_fn(model, x).backward()
+    with gg.audit(model) as outer, gg.audit(model) as inner:
+        loss_fn(model, x).backward()
     assert alone.totals["saved_bytes"] == 24 * (24**2 + 22**2 + 20**2)
     assert inner.totals == outer.totals == alone.totals
 
@@ -464,17 +466,21 @@ def test_audit_inside_user_saved_tensor_hooks_keeps_them_working() -> None:
         packed.append(1)
         return tensor.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with gg.audit(model) as report:
-            loss_fn(model, x).backward()
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        gg.audit(model) as report,
+    ):
+        loss_fn(model, x).backward()
     assert len(packed) > 0 and report.totals == _conv_audit(3).totals
 
 
 def test_backward_after_the_block_is_said_in_the_table() -> None:
     model, x, loss_fn = models.conv_stack(3)
-    with pytest.warns(NoBackwardWarning, match=r"Call loss.backward\(\) inside"):
-        with gg.audit(model) as report:
-            loss = loss_fn(model, x)
+    with (
+        pytest.warns(NoBackwardWarning, match=r"Call loss.backward\(\) inside"),
+        gg.audit(model) as report,
+    ):
+        loss = loss_fn(model, x)
     loss.backward()
     table = report.table()
     assert "no backward ran inside this audit" in table
@@ -498,9 +504,8 @@ def test_reading_a_report_before_it_ran_says_how_to_use_it() -> None:
             report.totals  # noqa: B018
         loss_fn(model, x).backward()
     assert _counts(report) == (3, 2)
-    with pytest.raises(AuditNotReadyError, match="records once"):
-        with report:
-            pass
+    with pytest.raises(AuditNotReadyError, match="records once"), report:
+        pass
 
 
 def test_audit_is_typed_as_returning_the_public_report() -> None:

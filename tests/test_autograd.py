@@ -80,12 +80,11 @@ def test_observer_makes_no_reference_cycle_with_a_saved_output() -> None:
 def test_audit_frees_a_saved_output_without_backward() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), nn.Tanh())
     x = torch.randn(2, 4)
-    with pytest.warns(gg.GradgateWarning, match="without a backward"):
-        with gg.audit(model):
-            out = model(x)
-            inner = out.grad_fn.next_functions[0][0]  # the sigmoid's node (saves its output)
-            assert inner.name() == "SigmoidBackward0"
-            del inner
+    with pytest.warns(gg.GradgateWarning, match="without a backward"), gg.audit(model):
+        out = model(x)
+        inner = out.grad_fn.next_functions[0][0]  # the sigmoid's node (saves its output)
+        assert inner.name() == "SigmoidBackward0"
+        del inner
     ref = weakref.ref(out)
     del out
     gc.collect()
@@ -106,9 +105,11 @@ def test_observer_keeps_hooks_installed_outside_it() -> None:
 
     seen: list[tuple[int, ...]] = []
     x = torch.randn(3, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        with observe_saved(lambda t: seen.append(tuple(t.shape))):
-            y = x.exp()
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+        observe_saved(lambda t: seen.append(tuple(t.shape))),
+    ):
+        y = x.exp()
     (grad,) = torch.autograd.grad(y.sum(), x)
     assert seen == packed == unpacked == [(3,)]
     torch.testing.assert_close(grad, x.exp())
