@@ -59,7 +59,7 @@ def normalise(output: str) -> str:
 
 def test_there_are_pages() -> None:
     names = {page.relative_to(DOCS).as_posix() for page in PAGES}
-    assert {"index.md", "concepts.md", "audit.md", "gradient-tools.md"} <= names
+    assert {"index.md", "concepts.md", "audit.md", "gradient-tools.md", "api.md"} <= names
     assert len([n for n in names if n.startswith("questions/")]) >= 10
 
 
@@ -80,9 +80,21 @@ def test_parser_pairs_blocks_with_output() -> None:
     assert (second.code, second.expected) == ("a = 2\n", None)
 
 
-@pytest.mark.parametrize(
-    "page", [pytest.param(page, id=page.relative_to(DOCS).as_posix()) for page in PAGES]
-)
+# Pages whose code takes seconds (torch.compile, a DDP process group, the audit tour): run by CI,
+# skipped by the quick run `python -m pytest -m "not slow"`.
+SLOW_PAGES = {"audit.md", "performance.md", "questions/backprop-last-k-layers.md"}
+
+
+def _param(page: Path) -> object:
+    name = page.relative_to(DOCS).as_posix()
+    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+
+
+def test_slow_pages_exist() -> None:
+    assert {page.relative_to(DOCS).as_posix() for page in PAGES} >= SLOW_PAGES
+
+
+@pytest.mark.parametrize("page", [_param(page) for page in PAGES])
 def test_page_runs_and_prints_what_it_shows(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,185 @@
+"""docs/api.md documents every public name of ``gradgate.__all__``, from its signature and
+docstring; it is generated, and this test fails when it is out of date.
+
+Regenerate it after changing a public name, signature or docstring summary::
+
+    python tests/test_api_reference.py
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import re
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gradgate as gg
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+REGENERATE = "python tests/test_api_reference.py"
+
+# Where a name is defined -> the section it is listed in, in this order.
+SECTIONS = [
+    ("_select", "Which modules: blocks and selection"),
+    ("_gate", "Where the graph starts: cuts and depth"),
+    ("_compile", "Where the graph starts: cuts and depth"),
+    ("_freeze", "Which parameters learn: freezing"),
+    ("_handles", "Which parameters learn: freezing"),
+    ("_transform", "How gradients are changed: transforms"),
+    ("_capture", "Inner gradients: capture"),
+    ("_audit", "What backward computed: audit"),
+    ("_graph", "What the graph looks like: graph"),
+    ("_check", "Classic mistakes: check and explain"),
+    ("_explain", "Classic mistakes: check and explain"),
+    ("schedules", "Plans per step: schedules"),
+    ("optim", "Optimizers"),
+    ("distributed", "Scale out: distributed"),
+    ("integrations", "Training frameworks: integrations"),
+]
+ERRORS = "Errors and warnings"
+OTHER = "Other names"
+
+HEADER = f"""\
+# API reference
+
+Every public name of `gradgate` (`import gradgate as gg`), grouped by what it answers, with its
+signature and the summary from its docstring; `help(gg.name)` shows the whole docstring with
+runnable examples. Options after `*` are keyword-only. Optional packages (matplotlib,
+transformers, lightning, Graphviz's `dot`) load only when a feature that needs them is used.
+
+This page is generated from `gradgate.__all__` and the docstrings (`{REGENERATE}`);
+`tests/test_api_reference.py` fails when it is out of date. The guides explain the ideas:
+[concepts](concepts.md), [audit](audit.md), [gradient tools](gradient-tools.md),
+[graph](graph.md), [performance](performance.md).
+"""
+
+
+def public_names() -> list[str]:
+    return sorted(name for name in gg.__all__ if name != "__version__")
+
+
+def summary(obj: Any) -> str:
+    """The first paragraph of the docstring, on one line, or an empty string."""
+    doc = inspect.getdoc(obj) or ""
+    first = doc.split("\n\n")[0].strip()
+    if first.startswith(">>>"):
+        return ""
+    first = re.sub(r":(?:func|class|meth|mod|attr):`~?([\w.]+)`", r"`gg.\1`", first)
+    return " ".join(first.replace("``", "`").split())
+
+
+def signature(obj: Callable[..., Any], name: str) -> str:
+    """``name(arg, *, option=default)``: the call as written, without type annotations."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return f"{name}(...)"
+    bare = sig.replace(
+        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+        return_annotation=sig.empty,
+    )
+    return f"{name}{bare}"
+
+
+def section_of(name: str, obj: Any) -> str:
+    if isinstance(obj, type) and issubclass(obj, (gg.GradgateError, gg.GradgateWarning)):
+        return ERRORS
+    module = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", "")
+    parts = module.split(".")
+    for key, title in SECTIONS:
+        if key in parts:
+            return title
+    return OTHER
+
+
+def members(cls: type) -> Iterator[tuple[str, Any]]:
+    """Public methods and properties a class defines itself (not inherited from builtins)."""
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name in getattr(cls, "__dataclass_fields__", {}):
+            continue
+        if isinstance(value, (property, classmethod, staticmethod)) or inspect.isfunction(value):
+            yield name, value
+
+
+def entry(name: str, obj: Any, prefix: str = "gg.") -> list[str]:
+    """The Markdown of one public name."""
+    qualified = f"{prefix}{name}"
+    lines = [f"### `{qualified}`", ""]
+    if isinstance(obj, types.ModuleType):
+        lines += [summary(obj) or f"The `{qualified}` submodule.", ""]
+        for member in sorted(getattr(obj, "__all__", [])):
+            member_obj = getattr(obj, member)
+            lines += [f"- `{qualified}.{member}`: {summary(member_obj)}".rstrip(": ")]
+        return [*lines, ""]
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        base = obj.__mro__[1].__name__
+        return [*lines, f"*{'warning' if issubclass(obj, Warning) else 'error'}, a `{base}`*: "
+                f"{summary(obj)}", ""]  # fmt: skip
+    if callable(obj) and not (isinstance(obj, type) and issubclass(obj, enum.Enum)):
+        lines += [f"`{signature(obj, qualified)}`", ""]
+    lines += [summary(obj), ""]
+    if isinstance(obj, type) and any(members(obj)):
+        for member, value in members(obj):
+            function = value.fget if isinstance(value, property) else value
+            function = getattr(function, "__func__", function)
+            if isinstance(value, property):
+                shown = f"`.{member}`"
+            else:
+                call = signature(function, member)
+                call = re.sub(r"\((self|cls)(, )?", "(", call, count=1)
+                shown = f"`.{call}`"
+            lines.append(f"- {shown}: {summary(function)}".rstrip(": "))
+        lines.append("")
+    return lines
+
+
+def render() -> str:
+    """The whole page, from ``gradgate.__all__`` and the docstrings."""
+    grouped: dict[str, list[str]] = {}
+    for name in public_names():
+        obj = getattr(gg, name)
+        grouped.setdefault(section_of(name, obj), []).append(name)
+    order = [*list(dict.fromkeys(title for _, title in SECTIONS)), ERRORS, OTHER]
+    lines = [HEADER]
+    for title in order:
+        if title not in grouped:
+            continue
+        lines += [f"## {title}", ""]
+        for name in grouped[title]:
+            lines += entry(name, getattr(gg, name))
+    lines += ["## Version", "", "`gg.__version__`: the installed version, from the package "
+              "metadata.", ""]  # fmt: skip
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def test_every_public_name_has_an_entry() -> None:
+    text = PAGE.read_text()
+    documented = set(re.findall(r"^### `gg\.([\w.]+)`$", text, re.MULTILINE))
+    missing = sorted(set(public_names()) - documented)
+    assert not missing, f"docs/api.md lacks {missing}; regenerate it: {REGENERATE}"
+    stale = sorted(documented - set(public_names()))
+    assert not stale, f"docs/api.md documents names that are not public: {stale}; {REGENERATE}"
+
+
+def test_every_public_name_has_a_docstring_summary() -> None:
+    assert [name for name in public_names() if not summary(getattr(gg, name))] == []
+
+
+def test_page_is_up_to_date_with_signatures_and_docstrings() -> None:
+    assert PAGE.read_text() == render(), f"docs/api.md is out of date; regenerate it: {REGENERATE}"
+
+
+def test_signature_drops_annotations_and_keeps_keyword_only_options() -> None:
+    def example(model: object, depth: int | None, *, blocks: list[str] | None = None) -> None:
+        """Example."""
+
+    assert signature(example, "gg.example") == "gg.example(model, depth, *, blocks=None)"
+
+
+if __name__ == "__main__":
+    PAGE.write_text(render())
+    print(f"wrote {PAGE} ({len(public_names())} public names)", file=sys.stderr)
