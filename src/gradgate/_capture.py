@@ -124,8 +124,6 @@ class CaptureHandle(Handle, Mapping[str, Any]):
             hook.remove()
         self._tensor_hooks = []
 
-    def __enter__(self) -> CaptureHandle:
-        return self
 
     def _remove_hooks(self) -> None:
         for hook in self._module_hooks + self._tensor_hooks:

@@ -2,80 +2,262 @@
 
 A frozen parameter has ``requires_grad=False`` before the forward, so autograd computes no
 weight gradient for it (gradients still flow *through* its layer to earlier trainable layers).
+
+Handles compose as layers. Each :func:`freeze` or :func:`unfreeze` pushes one layer onto every
+parameter slot (a module and an attribute name) it touches; a slot's flag is the one set by its
+latest live layer, or the flag it had before the first layer once every layer is undone. So
+handles may be undone in any order and a parameter is frozen exactly while the latest live
+handle touching it froze it. Slots are kept by module and name, not by tensor, so a parameter
+replaced while frozen (``load_state_dict(assign=True)``) is restored too.
+
+Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) carry the flags as they are at that moment
+and no gradgate state: no handle reaches the copy, and its norm layers follow ``train()`` again.
 """
 
 from __future__ import annotations
 
-import types
-from typing import Literal, get_args
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ._errors import AlreadyFrozenError
+from ._errors import AlreadyFrozenError, InvalidOptionError
 from ._handles import Handle
-from ._select import Pattern, resolve_parameters
-from ._validate import check_choice
+from ._select import Pattern, _match, check_module
+from ._validate import check_choice, check_patterns
 
 NormMode = Literal["keep", "eval"]
-_OWNER = "_gradgate_frozen_by"
-_REQUESTED = "_gradgate_requested_training"
 
 
-class FreezeHandle(Handle):
-    """Undoes one :func:`freeze`: flags and norm modes back to what they were, exactly once."""
+# -- per-slot layers ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One parameter slot: its flag before any layer, and the live layers (token, flag)."""
+
+    base: bool
+    layers: list[tuple[object, bool]] = field(default_factory=list)
+
+
+@dataclass
+class _NormSlot:
+    """One norm layer: live layers (token, locked in eval)."""
+
+    layers: list[tuple[object, bool]] = field(default_factory=list)
+
+
+@dataclass
+class _ModuleState:
+    params: dict[str, _Slot] = field(default_factory=dict)
+    norm: _NormSlot | None = None
+
+
+# Weak by module identity: a module's entry dies with the module and never travels with a copy.
+_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _state_of(module: nn.Module) -> _ModuleState:
+    state: _ModuleState | None = _STATES.get(module)
+    if state is None:
+        state = _STATES[module] = _ModuleState()
+    return state
+
+
+def _forget_if_empty(module: nn.Module) -> None:
+    state = _STATES.get(module)
+    if state is not None and not state.params and state.norm is None:
+        del _STATES[module]
+
+
+def _push_flag(token: object, module: nn.Module, name: str, flag: bool) -> None:
+    param = module._parameters[name]
+    assert param is not None
+    slot = _state_of(module).params.setdefault(name, _Slot(param.requires_grad))
+    slot.layers.append((token, flag))
+    param.requires_grad_(flag)
+
+
+def _pop_flag(token: object, module: nn.Module, name: str) -> None:
+    state = _STATES.get(module)
+    slot = state.params.get(name) if state is not None else None
+    if slot is None:
+        return
+    slot.layers = [layer for layer in slot.layers if layer[0] is not token]
+    flag = slot.layers[-1][1] if slot.layers else slot.base
+    param = module._parameters.get(name)
+    if param is not None:  # the parameter now in the slot, also one assigned while frozen
+        param.requires_grad_(flag)
+    if not slot.layers:
+        del state.params[name]  # type: ignore[union-attr]
+        _forget_if_empty(module)
+
+
+def _top_layer(module: nn.Module, name: str) -> object | None:
+    """The token of the freeze layer holding this slot frozen, if any."""
+    state = _STATES.get(module)
+    slot = state.params.get(name) if state is not None else None
+    if slot is None or not slot.layers or slot.layers[-1][1]:
+        return None
+    token: object = slot.layers[-1][0]
+    return token
+
+
+def _push_norm(token: object, module: nn.Module, locked: bool) -> None:
+    state = _state_of(module)
+    if state.norm is None:
+        state.norm = _NormSlot()
+    state.norm.layers.append((token, locked))
+    _apply_norm(module, locked)
+
+
+def _pop_norm(token: object, module: nn.Module) -> None:
+    state = _STATES.get(module)
+    if state is None or state.norm is None:
+        return
+    state.norm.layers = [layer for layer in state.norm.layers if layer[0] is not token]
+    _apply_norm(module, bool(state.norm.layers) and state.norm.layers[-1][1])
+    if not state.norm.layers:
+        state.norm = None
+        _forget_if_empty(module)
+
+
+def _is_locked(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("train"), _EvalLock)
+
+
+def _apply_norm(module: nn.Module, locked: bool) -> None:
+    if locked and not _is_locked(module):
+        module.__dict__["train"] = _EvalLock(module, requested=module.training)
+        module.training = False
+    elif not locked and _is_locked(module):
+        lock = module.__dict__.pop("train")
+        module.training = lock.requested
+
+
+class _EvalLock:
+    """Stands in for ``Module.train`` on a frozen norm layer: remembers the request, stays in
+    eval. A copy of the module gets a :class:`_ReleasedLock` instead (no gradgate state)."""
+
+    __slots__ = ("module", "requested")
+
+    def __init__(self, module: nn.Module, *, requested: bool) -> None:
+        self.module, self.requested = module, requested
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        self.requested = bool(mode)
+        self.module.training = False
+        return self.module
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReleasedLock, (self.module,))
+
+
+class _ReleasedLock:
+    """In a copy: the first ``train()`` call removes this stand-in and trains normally."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        if self.module.__dict__.get("train") is self:
+            del self.module.__dict__["train"]
+        return self.module.train(mode)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReleasedLock, (self.module,))
+
+
+# -- handles -----------------------------------------------------------------------------------
+
+
+class _LayerHandle(Handle):
+    """One freeze or unfreeze: the layers it pushed, popped exactly once."""
+
+    _flag = False
 
     def __init__(self, description: str) -> None:
         super().__init__(self._restore, description=description)
-        self._params: dict[int, tuple[str, nn.Parameter, bool]] = {}
-        self._norms: dict[int, nn.Module] = {}
+        self._slots: list[tuple[str, nn.Module, str]] = []
+        self._norms: list[nn.Module] = []
+
+    def _hold(self, reported: str, locations: list[tuple[str, nn.Module, str]]) -> None:
+        """Push this handle's flag onto every slot of one parameter, reported by its name."""
+        for _, module, name in locations:
+            _push_flag(self, module, name, self._flag)
+            self._slots.append((reported, module, name))
+
+    def _hold_norm(self, module: nn.Module, *, locked: bool) -> None:
+        _push_norm(self, module, locked)
+        self._norms.append(module)
+
+    def _restore(self) -> None:
+        for _, module, name in reversed(self._slots):
+            _pop_flag(self, module, name)
+        for module in reversed(self._norms):
+            _pop_norm(self, module)
+
+
+class FreezeHandle(_LayerHandle):
+    """Undoes one :func:`freeze`: flags and norm modes back to what they were, exactly once."""
 
     @property
     def parameters(self) -> list[str]:
-        """Names of the parameters this handle still holds frozen."""
-        return [name for name, _, _ in self._params.values()]
+        """Names of the parameters this handle holds frozen now (not since unfrozen)."""
+        names: dict[int, str] = {}
+        for qualified, module, name in self._slots:
+            param = module._parameters.get(name)
+            if param is not None and _top_layer(module, name) is self:
+                names.setdefault(id(param), qualified)
+        return list(names.values())
 
-    def _hold(self, name: str, param: nn.Parameter) -> None:
-        self._params[id(param)] = (name, param, param.requires_grad)
-        setattr(param, _OWNER, self)
-        param.requires_grad_(False)
-        param.grad = None
 
-    def _lock_norm(self, module: nn.Module) -> None:
-        self._norms[id(module)] = module
-        module.__dict__[_REQUESTED] = module.training
-        module.__dict__["train"] = types.MethodType(_train_locked_in_eval, module)
-        module.training = False
+class UnfreezeHandle(_LayerHandle):
+    """Undoes one :func:`unfreeze`: flags, norm modes and optimizer groups back, exactly once."""
 
-    def release(self, param: nn.Parameter) -> None:
-        """Give one parameter back its flag from before the freeze."""
-        entry = self._params.pop(id(param), None)
-        if entry is not None:
-            _, held, requires_grad = entry
-            held.requires_grad_(requires_grad)
-            if getattr(held, _OWNER, None) is self:
-                delattr(held, _OWNER)
+    _flag = True
 
-    def release_norm(self, module: nn.Module) -> None:
-        """Let one norm layer follow ``train()`` again, in the mode last asked of it."""
-        if self._norms.pop(id(module), None) is not None:
-            del module.__dict__["train"]
-            module.training = module.__dict__.pop(_REQUESTED)
+    def __init__(self, description: str) -> None:
+        super().__init__(description)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._added: list[dict[str, Any]] = []
+        self._added_names: list[str] = []
+
+    @property
+    def parameters(self) -> list[str]:
+        """Names of the parameters this handle made learn."""
+        return list(dict.fromkeys(qualified for qualified, _, _ in self._slots))
+
+    @property
+    def added_to_optimizer(self) -> list[str]:
+        """Names of the parameters this handle added to the optimizer (they were not in it)."""
+        return list(self._added_names)
 
     def _restore(self) -> None:
-        for _, param, _ in list(self._params.values()):
-            self.release(param)
-        for module in list(self._norms.values()):
-            self.release_norm(module)
+        super()._restore()
+        if self._optimizer is not None:
+            _remove_groups(self._optimizer, self._added)
+
+
+# -- public functions --------------------------------------------------------------------------
 
 
 def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> FreezeHandle:
     """Stop the matched parameters from learning; returns an undo handle (a context manager).
 
-    Patterns are module or parameter names, globs or ranges (see :func:`gradgate.select`).
-    Frozen parameters get ``requires_grad=False`` and ``.grad = None`` so no optimizer moves
-    them. ``norm="eval"`` also keeps BatchNorm / InstanceNorm layers in the frozen region in
-    eval mode (no running-statistics updates), even across ``model.train()``, until undone.
+    Patterns are module or parameter names, globs or ranges (see :func:`gradgate.select`);
+    ``'**'`` is the whole model. At least one pattern is needed, and ``''`` is refused.
+    Frozen parameters get ``requires_grad=False``, so backward gives them no new gradient;
+    a gradient they already hold (earlier micro-batches of an accumulation) is kept. Call
+    ``optimizer.zero_grad()`` (``set_to_none=True``, the default) so no optimizer moves them.
+    ``norm="eval"`` also keeps BatchNorm / InstanceNorm layers in the frozen region in eval
+    mode (no running-statistics updates), even across ``model.train()``, until undone.
 
     >>> import torch, gradgate as gg
     >>> from torch import nn
@@ -88,23 +270,26 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     >>> net[0].weight.requires_grad, net[1].training
     (True, True)
     """
+    check_module(model)
     check_choice("norm", norm, get_args(NormMode))
-    modules, params = resolve_parameters(model, patterns)
+    patterns = check_patterns("freeze", patterns)
+    modules, params = _matched(model, patterns)
+    locations = _locations(model)
     for name, param in params:
-        owner = getattr(param, _OWNER, None)
-        if owner is not None and owner.active:
+        holder = next((top for _, m, n in locations[id(param)] if (top := _top_layer(m, n))), None)
+        if holder is not None and not param.requires_grad:
             raise AlreadyFrozenError(
-                f"parameter {name!r} is already frozen by {owner!r}; a parameter can be held "
+                f"parameter {name!r} is already frozen by {holder!r}; a parameter can be held "
                 "by one freeze at a time. Undo that handle first, or leave it out of the "
                 "patterns."
             )
     handle = FreezeHandle(f"freeze {', '.join(map(repr, patterns))}")
     for name, param in params:
         if param.requires_grad:
-            handle._hold(name, param)
+            handle._hold(name, locations[id(param)])
     if norm == "eval":
         for module in _norm_layers(model, modules, params):
-            handle._lock_norm(module)
+            handle._hold_norm(module, locked=True)
     return handle
 
 
@@ -121,45 +306,79 @@ def frozen(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     return freeze(model, *patterns, norm=norm)
 
 
-def unfreeze(model: nn.Module, *patterns: Pattern) -> Handle:
-    """Make the matched parameters learn again; returns a handle that re-applies the old flags.
+def unfreeze(
+    model: nn.Module, *patterns: Pattern, optimizer: torch.optim.Optimizer | None = None
+) -> UnfreezeHandle:
+    """Make the matched parameters learn again; returns a handle that undoes exactly that.
 
-    Parameters held by a :func:`freeze` handle are released from it (that handle no longer
-    touches them), and norm layers it kept in eval mode follow ``train()`` again.
+    Norm layers a :func:`freeze` kept in eval mode follow ``train()`` again. Handles compose:
+    undoing the freeze while the unfreeze is live changes nothing; undoing both, in any order,
+    gives back the flags from before either. With ``optimizer=``, matched parameters the
+    optimizer does not hold are added to it, in a new param group with the options of the
+    group their module's other parameters use (else the optimizer's defaults), so they really
+    train; undoing the handle takes those groups (and their state) out again. A learning-rate
+    scheduler created before does not schedule a group added later.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     >>> handle = gg.freeze(net, "0", "1")
-    >>> _ = gg.unfreeze(net, "1")
-    >>> handle.parameters
-    ['0.weight', '0.bias']
+    >>> back = gg.unfreeze(net, "1")
+    >>> handle.parameters, back.parameters
+    (['0.weight', '0.bias'], ['1.weight', '1.bias'])
     """
-    modules, params = resolve_parameters(model, patterns)
-    before = [(param, param.requires_grad) for _, param in params]
-    owners = _live_owners(params)
+    check_module(model)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidOptionError(
+            f"optimizer={optimizer!r:.60} has type {type(optimizer).__name__}; expected a "
+            "torch.optim.Optimizer (the one training this model) or None."
+        )
+    patterns = check_patterns("unfreeze", patterns)
+    modules, params = _matched(model, patterns)
+    locations = _locations(model)
+    handle = UnfreezeHandle(f"unfreeze {', '.join(map(repr, patterns))}")
+    for name, param in params:
+        if not param.requires_grad:
+            handle._hold(name, locations[id(param)])
     for module in _norm_layers(model, modules, params):
-        for holder in owners:
-            holder.release_norm(module)  # a no-op for handles that do not hold it
-    for _, param in params:
-        owner = getattr(param, _OWNER, None)
-        if owner is not None:
-            owner.release(param)
-        param.requires_grad_(True)
-
-    def restore() -> None:
-        for param, requires_grad in before:
-            param.requires_grad_(requires_grad)
-
-    return Handle(restore, description=f"unfreeze {', '.join(map(repr, patterns))}")
+        if _is_locked(module):
+            handle._hold_norm(module, locked=False)
+    if optimizer is not None:
+        handle._optimizer = optimizer
+        handle._added, handle._added_names = _add_missing(model, optimizer, params)
+    return handle
 
 
-def _live_owners(params: list[tuple[str, nn.Parameter]]) -> list[FreezeHandle]:
-    owners: dict[int, FreezeHandle] = {}
-    for _, param in params:
-        owner = getattr(param, _OWNER, None)
-        if owner is not None:
-            owners[id(owner)] = owner
-    return list(owners.values())
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _matched(
+    model: nn.Module, patterns: Iterable[Pattern]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+    """Matched modules and each parameter under them or named directly (a tied alias too),
+    unique by identity, in model order."""
+    wanted: set[str] = set()
+    for pattern in patterns:
+        wanted.update(_match(model, pattern, include_parameters=True))
+    modules = [(name, module) for name, module in model.named_modules() if name in wanted]
+    prefixes = tuple(f"{name}." for name, _ in modules)
+    chosen: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in wanted or "" in wanted or name.startswith(prefixes):
+            chosen.setdefault(id(param), (name, param))
+    return modules, list(chosen.values())
+
+
+def _locations(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """Every slot (qualified name, owning module, attribute) where each parameter sits."""
+    found: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None and (id(module), name) not in seen:
+                seen.add((id(module), name))
+                qualified = f"{prefix}.{name}" if prefix else name
+                found.setdefault(id(param), []).append((qualified, module, name))
+    return found
 
 
 def _norm_layers(
@@ -173,14 +392,51 @@ def _norm_layers(
     found: dict[int, nn.Module] = {}
     for module in inside + owners:
         if isinstance(module, _NormBase) and (
-            module in inside or all(id(p) in held for p in module.parameters())
+            any(module is m for m in inside) or all(id(p) in held for p in module.parameters())
         ):
             found[id(module)] = module
     return list(found.values())
 
 
-def _train_locked_in_eval(self: nn.Module, mode: bool = True) -> nn.Module:
-    """Stand-in for ``Module.train`` on a frozen norm layer: remember the request, stay in eval."""
-    self.__dict__[_REQUESTED] = mode
-    self.training = False
-    return self
+def _add_missing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Add the parameters the optimizer lacks, grouped like their module's other parameters."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    new_groups: dict[int, tuple[dict[str, Any] | None, list[tuple[str, nn.Parameter]]]] = {}
+    for name, param in params:
+        if id(param) in group_of:
+            continue
+        sibling = _sibling_group(model, name, group_of)
+        key = id(sibling) if sibling is not None else 0
+        new_groups.setdefault(key, (sibling, []))[1].append((name, param))
+    added = []
+    for sibling, members in new_groups.values():
+        options = {k: v for k, v in (sibling or {}).items() if k != "params"}
+        optimizer.add_param_group({**options, "params": [p for _, p in members]})
+        added.append(optimizer.param_groups[-1])
+    return added, [name for _, members in new_groups.values() for name, _ in members]
+
+
+def _sibling_group(
+    model: nn.Module, name: str, group_of: dict[int, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The group of the nearest module (the owner, then its ancestors) with a parameter in it."""
+    owner = name.rpartition(".")[0]
+    while True:
+        module = model.get_submodule(owner)
+        for param in module.parameters():
+            if id(param) in group_of:
+                return group_of[id(param)]
+        if not owner:
+            return None
+        owner = owner.rpartition(".")[0]
+
+
+def _remove_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    for group in groups:
+        index = next((i for i, g in enumerate(optimizer.param_groups) if g is group), None)
+        if index is not None:
+            del optimizer.param_groups[index]
+            for param in group["params"]:
+                optimizer.state.pop(param, None)

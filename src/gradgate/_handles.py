@@ -6,6 +6,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from ._errors import HandleUsedError
+
 _H = TypeVar("_H", bound="Handle")
 
 
@@ -13,7 +15,9 @@ class Handle:
     """Undoes what a gradgate call did to a model, exactly once.
 
     ``remove()`` and ``undo()`` are the same; calling either again is a no-op. Used as a
-    context manager, the handle undoes on exit, also when the body raises.
+    context manager, the handle undoes on exit, also when the body raises. Entering a handle
+    that was already undone raises :class:`HandleUsedError` (it would change nothing): call
+    gradgate again for a fresh handle.
 
     >>> import torch, gradgate as gg
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -42,6 +46,12 @@ class Handle:
     undo = remove
 
     def __enter__(self: _H) -> _H:
+        if not self.active:
+            raise HandleUsedError(
+                f"{self!r} was already undone, so entering it again would do nothing; "
+                "expected a live handle. To apply the same thing again, call gradgate again "
+                "(e.g. `with gg.frozen(model, ...):` inside the loop) for a fresh handle."
+            )
         return self
 
     def __exit__(

@@ -65,8 +65,6 @@ class TransformHandle(Handle):
         """Advance the step counter by one (the way to count with ``count="manual"``)."""
         self._steps += 1
 
-    def __enter__(self) -> TransformHandle:
-        return self
 
     def _decide(self, step: int, where: str) -> bool:
         """Whether the forward at ``step`` is transformed (the ``when`` verdict)."""

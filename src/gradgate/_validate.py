@@ -1,15 +1,56 @@
-"""Validation of user options, with messages that name the value and the allowed ones."""
+"""Validation of user options, with messages that name the value and the allowed ones.
+
+Every check here runs before anything is applied to a model, so a rejected call leaves no trace.
+"""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
+from typing import Any
 
-from ._errors import InvalidOptionError
+from ._errors import InvalidOptionError, UnknownModuleError
 
 
 def check_choice(option: str, value: object, allowed: Iterable[object]) -> None:
     """Raise :class:`InvalidOptionError` unless ``value`` is one of ``allowed``."""
     allowed = tuple(allowed)
-    if value not in allowed:
+    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
         choices = ", ".join(repr(a) for a in allowed)
         raise InvalidOptionError(f"{option}={value!r} is not allowed; expected one of {choices}.")
+
+
+def check_patterns(
+    function: str, patterns: tuple[Any, ...], *, allow_root: bool = False
+) -> tuple[Any, ...]:
+    """The patterns with integer-like block indices made ``int``; refuses none and ``''``.
+
+    ``allow_root`` lets ``''`` name the model itself (where a name is a key, as in capture).
+
+    >>> check_patterns("freeze", ("encoder", __import__("numpy").int64(2)))
+    ('encoder', 2)
+    """
+    if not patterns:
+        raise InvalidOptionError(
+            f"{function}() got no pattern; expected at least one module or parameter name, "
+            f"glob or range, e.g. {function}(model, 'encoder.layer.0'). For every module of "
+            f"the model pass '**': {function}(model, '**')."
+        )
+    return tuple(_pattern(function, pattern, allow_root) for pattern in patterns)
+
+
+def _pattern(function: str, pattern: Any, allow_root: bool) -> Any:
+    if isinstance(pattern, str):
+        if not pattern.strip() and not (allow_root and pattern == ""):
+            raise UnknownModuleError(
+                f"{function}() got the pattern {pattern!r}, which names no module; expected a "
+                "module or parameter name, a glob such as 'layer.*' or a range such as "
+                f"'layer.0:4'. For every module of the model pass '**'."
+            )
+        return pattern
+    if isinstance(pattern, (bool, slice)) or not hasattr(pattern, "__index__"):
+        return pattern  # slices as given; other types are refused by the selection with a hint
+    try:
+        return operator.index(pattern)  # numpy integers, 0-d integer tensors
+    except TypeError:
+        return pattern

@@ -1,0 +1,113 @@
+"""Handles: undone exactly once, in any order, and never silently re-entered."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import gradgate as gg
+from gradgate._errors import HandleUsedError
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False), nn.Linear(2, 1))
+
+
+def _state(model: nn.Module) -> tuple[object, ...]:
+    return (
+        [p.requires_grad for p in model.parameters()],
+        [m.training for m in model.modules()],
+        [sorted(m.__dict__) for m in model.modules()],
+    )
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_freeze_unfreeze_freeze_undone_in_any_order_restores_the_original(order) -> None:
+    model = _net().train()
+    before = _state(model)
+    handles = [
+        gg.freeze(model, "0", "1", norm="eval"),
+        gg.unfreeze(model, "0"),
+        gg.freeze(model, "2"),
+    ]
+    assert model[0].weight.requires_grad and not model[2].weight.requires_grad
+    for index in order:
+        handles[index].undo()
+        live = [i for i in range(3) if handles[i].active]
+        # a parameter is frozen exactly when the latest live handle that touches it froze it
+        expected_0 = 0 not in live or 1 in live
+        assert model[0].weight.requires_grad == expected_0, (order, live)
+        assert model[2].weight.requires_grad == (2 not in live)
+    assert _state(model) == before
+
+
+@pytest.mark.parametrize("first_undone", [0, 1])
+def test_two_freezes_sharing_a_parameter_free_norm_layer_undo_cleanly(first_undone) -> None:
+    model = _net().train()
+    handles = [gg.freeze(model, "0", "1", norm="eval"), gg.freeze(model, "1", "2", norm="eval")]
+    model.train()
+    assert not model[1].training
+    handles[first_undone].undo()
+    assert not model[1].training  # the other freeze still holds it in eval
+    model.train()
+    assert not model[1].training
+    handles[1 - first_undone].undo()
+    assert model[1].training and "train" not in model[1].__dict__
+
+
+def test_unfreeze_then_freeze_undo_leaves_no_parameter_frozen_without_a_live_handle() -> None:
+    model = _net()
+    freeze = gg.freeze(model, "**")
+    unfreeze = gg.unfreeze(model, "**")
+    unfreeze.undo()
+    assert not any(p.requires_grad for p in model.parameters())  # the freeze is live again
+    freeze.undo()
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def _used_handles(model: nn.Sequential) -> dict[str, gg.Handle]:
+    return {
+        "frozen": gg.frozen(model, "0"),
+        "unfreeze": gg.unfreeze(model, "0"),
+        "capture_grads": gg.capture_grads(model, "0"),
+        "scale_grad": gg.scale_grad(model, "0", 0.5),
+        "Handle": gg.Handle(lambda: None, description="plain"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["frozen", "unfreeze", "capture_grads", "scale_grad", "Handle"])
+def test_reentering_a_used_handle_is_refused(kind) -> None:
+    model = _net()
+    handle = _used_handles(model)[kind]
+    with handle:
+        pass
+    before = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+    message = "was already undone, so entering it again would do nothing"
+    with pytest.raises(HandleUsedError, match=re.escape(message)), handle:
+        pass  # pragma: no cover
+    after = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+    assert after == before
+
+
+def test_used_handle_message_names_the_handle_and_the_fix() -> None:
+    handle = gg.Handle(lambda: None, description="demo")
+    handle.undo()
+    with pytest.raises(HandleUsedError) as info:
+        handle.__enter__()
+    text = str(info.value)
+    assert "<gradgate.Handle demo (removed)>" in text
+    assert "call gradgate again" in text
+
+
+def test_a_live_handle_can_be_entered_and_undone_once() -> None:
+    calls: list[int] = []
+    handle = gg.Handle(lambda: calls.append(1))
+    with handle as same:
+        assert same is handle and handle.active
+    handle.undo()
+    assert calls == [1] and not handle.active
