@@ -533,3 +533,17 @@ def test_bad_options_fail_at_the_call_before_any_hook(kwargs: dict[str, Any], me
 def test_a_model_that_is_not_a_module_is_refused() -> None:
     with pytest.raises(gg.InvalidOptionError, match=r"got function .*expected a torch.nn.Module"):
         gg.audit(lambda x: x)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused attention kernels need CUDA")
+def test_grouped_query_attention_llama_on_gpu() -> None:
+    model, batch, loss_fn = models.llama(layers=1)
+    model, batch = model.cuda(), {key: value.cuda() for key, value in batch.items()}
+    with gg.audit(model) as plain:
+        loss_fn(model, batch).backward()
+    with gg.audit(model) as report, torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_fn(model, batch).backward()  # bf16: the fused (flash / efficient) kernels
+    for audited in (plain, report):
+        assert audited.totals["backward_flops"] > 0 and "not counted" not in audited.table()
+    # autocast changes the graph (casts, fused attention), not which parameters learn
+    assert report.totals["wgrad"] == plain.totals["wgrad"] == 12  # 7 linears, 2 norms, ...
