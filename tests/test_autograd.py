@@ -3,7 +3,9 @@ observer (no reference cycle, outer hooks kept), and the one module tagger."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -176,3 +178,16 @@ def test_audit_and_graph_name_the_same_module_for_each_node() -> None:
     # the audit attributes the same nodes to the same modules: one dgrad each
     assert report.module("body.1").dgrad == 1 and report.module("head").dgrad == 1
     assert report.module("body.0").wgrad == 1 and report.module("body.0").dgrad == 0
+
+
+def test_a_copy_made_during_an_audit_carries_no_gradgate_hooks() -> None:
+    net = _Net()
+    x = torch.randn(2, 3)
+    with gg.audit(net) as report, gg.graph.recording(net):
+        twin = copy.deepcopy(net)
+        saved = pickle.dumps(net)
+        net(x).sum().backward()
+    assert report.module("head").wgrad == 1
+    for copied in (twin, pickle.loads(saved)):
+        torch.testing.assert_close(copied(x), net(x))
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in copied.modules())

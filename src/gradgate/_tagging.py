@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ._autograd import Node, is_leaf, tensors_in, walk
+from ._hooks import GateHook, HookSet
 
 
 @dataclass
@@ -31,16 +31,17 @@ class _Call:
 class ModuleTagger:
     """Tags autograd nodes with the qualified name of the module that created them.
 
-    ``labels`` maps node -> module name; ``on_tag(node, name)`` is called for each new tag.
-    ``current()`` names the innermost module running now (``None`` outside the model).
-    Hooks are registered on ``__enter__`` and all removed on ``__exit__``.
+        ``labels`` maps node -> module name; ``on_tag(node, name)`` is called for each new tag.
+        ``current()`` names the innermost module running now (``None`` outside the model).
+        Hooks are registered on ``__enter__`` and all removed on ``__exit__``; a copy of the model
+    made meanwhile (``copy.deepcopy``, ``torch.save``) carries none of them.
 
-    >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> with ModuleTagger(net) as tagger:
-    ...     y = net(torch.randn(1, 2))
-    >>> tagger.labels[y.grad_fn]
-    '1'
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> with ModuleTagger(net) as tagger:
+        ...     y = net(torch.randn(1, 2))
+        >>> tagger.labels[y.grad_fn]
+        '1'
     """
 
     def __init__(
@@ -51,19 +52,19 @@ class ModuleTagger:
         self.forward_seen = False
         self._on_tag = on_tag
         self._local = threading.local()
-        self._handles: list[RemovableHandle] = []
+        self._hooks = HookSet()
+        self._active = False
 
     # -- registration ------------------------------------------------------------------------
     def __enter__(self) -> ModuleTagger:
         try:
             for name, module in self.model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-                self._handles.append(
-                    module.register_forward_hook(self._post_hook(name), always_call=True)
-                )
+                self._hooks.pre(module, GateHook(self, "_entered", name))
+                self._hooks.post(module, GateHook(self, "_left", name), always_call=True)
         except BaseException:
             self.remove()
             raise
+        self._active = True
         return self
 
     def __exit__(
@@ -76,15 +77,14 @@ class ModuleTagger:
 
     def remove(self) -> None:
         """Remove every hook this tagger registered (a second call does nothing)."""
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        self._hooks.remove()
+        self._active = False
         self._local = threading.local()
 
     @property
     def active(self) -> bool:
         """Whether the hooks are registered."""
-        return bool(self._handles)
+        return self._active
 
     # -- the calls ---------------------------------------------------------------------------
     def _stack(self) -> list[_Call]:
@@ -98,22 +98,16 @@ class ModuleTagger:
         stack = self._stack()
         return stack[-1].name if stack else None
 
-    def _pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.forward_seen = True
-            self._stack().append(_Call(name, module, torch._C._autograd._get_sequence_nr()))
+    def _entered(self, name: str, module: nn.Module, args: Any) -> None:
+        self.forward_seen = True
+        self._stack().append(_Call(name, module, torch._C._autograd._get_sequence_nr()))
 
-        return hook
-
-    def _post_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            stack = self._stack()
-            if not stack or stack[-1].module is not module:
-                return  # our pre-hook did not run for this call (an earlier hook raised)
-            call = stack.pop()
-            self.tag(tensors_in(output), call.name, call.start)
-
-        return hook
+    def _left(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if not stack or stack[-1].module is not module:
+            return  # our pre-hook did not run for this call (an earlier hook raised)
+        call = stack.pop()
+        self.tag(tensors_in(output), call.name, call.start)
 
     def tag(self, outputs: list[torch.Tensor], name: str, start: int) -> None:
         """Tag the nodes behind ``outputs`` created since sequence number ``start`` and not
