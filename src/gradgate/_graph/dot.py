@@ -1,4 +1,4 @@
-"""DOT text for a :class:`gradgate.Graph`, and Graphviz's ``dot`` run as a subprocess.
+"""DOT text for a graph picture (nodes, edges, clusters), and Graphviz's ``dot`` program run.
 
 Written by hand: no Python graphviz package is needed, only the ``dot`` program to render.
 """
@@ -8,14 +8,13 @@ from __future__ import annotations
 import itertools
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .._errors import GraphvizError, GraphvizNotFoundError
 
 if TYPE_CHECKING:
-    from .graph import Graph
-    from .parts import GraphCluster, GraphNode
+    from .parts import GraphCluster, GraphEdge, GraphNode
 
 
 RED, GREEN, GREY, DARK = "#c0392b", "#2e8b57", "#9a9a9a", "#555555"
@@ -89,8 +88,14 @@ def attributes(values: dict[str, str]) -> str:
     return "[" + ", ".join(f"{key}={quote(value)}" for key, value in values.items()) + "]"
 
 
-def to_dot(graph: Graph, *, legend: bool = True) -> str:
-    """The whole graph as DOT text: clusters nested as the modules nest."""
+def to_dot(
+    nodes: Sequence[GraphNode],
+    edges: Sequence[GraphEdge],
+    clusters: Mapping[str, GraphCluster],
+    *,
+    legend: bool = True,
+) -> str:
+    """The whole picture as DOT text: clusters nested as the modules nest."""
     lines = [
         "digraph gradgate {",
         '  graph [rankdir="TB", compound="true", fontname="Helvetica", fontsize="11", '
@@ -100,15 +105,15 @@ def to_dot(graph: Graph, *, legend: bool = True) -> str:
         '  edge [fontname="Helvetica", fontsize="9"];',
     ]
     by_cluster: dict[str | None, list[GraphNode]] = {}
-    for node in graph.nodes:
+    for node in nodes:
         by_cluster.setdefault(node.module, []).append(node)
     children: dict[str | None, list[GraphCluster]] = {}
-    for cluster in graph.clusters.values():
+    for cluster in clusters.values():
         children.setdefault(cluster.parent, []).append(cluster)
-    ids = {name: f"cluster_{i}" for i, name in enumerate(graph.clusters)}
+    ids = {name: f"cluster_{i}" for i, name in enumerate(clusters)}
     lines.extend(_cluster_body(None, by_cluster, children, ids, "  "))
-    home = {node.id: node.module for node in graph.nodes}
-    for edge in graph.edges:
+    home = {node.id: node.module for node in nodes}
+    for edge in edges:
         style = dict(EDGE_STYLES[edge.kind])
         if edge.kind == "cut":
             style["label"] = " no gradient\n above"

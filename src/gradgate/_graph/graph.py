@@ -51,7 +51,7 @@ class Graph:
         >>> dot.startswith("digraph"), "frozen parameter" in dot, "gradient stops" in dot
         (True, True, True)
         """
-        return to_dot(self, legend=legend)
+        return to_dot(self.nodes, self.edges, self.clusters, legend=legend)
 
     def to_svg(self, *, legend: bool = True) -> str:
         """The picture as SVG text (for inline use in HTML); needs Graphviz's ``dot``."""

@@ -1,0 +1,85 @@
+"""The audit and graph layers' structure: no import circle, nothing imports a module above it,
+no source file over 450 lines, and each layer's plumbing comes from the shared modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "gradgate"
+LAYERS = ("_audit", "_graph")
+SHARED = ("_autograd.py", "_tagging.py", "_html.py", "_check.py", "_explain.py")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The gradgate modules ``path`` imports (relative imports resolved)."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            target = ".".join([*base, node.module] if node.module else base)
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradgate"):
+            found.add(str(node.module))
+    return found
+
+
+def _files() -> list[Path]:
+    files = [p for layer in LAYERS for p in sorted((SRC / layer).glob("*.py"))]
+    return files + [SRC / name for name in SHARED]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in _files()}
+    return {name: _imports(path) & set(modules) for name, path in modules.items()}
+
+
+def test_no_import_circle() -> None:
+    edges = _graph()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import circle: {' -> '.join((*path, name))}"
+        if name in done:
+            return
+        for target in edges.get(name, ()):
+            visit(target, (*path, name))
+        done.add(name)
+
+    for name in edges:
+        visit(name, ())
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_module_imports_its_own_package(layer: str) -> None:
+    package = f"gradgate.{layer}"
+    for path in (SRC / layer).glob("*.py"):
+        if path.name != "__init__.py":
+            assert package not in _imports(path), f"{path.name} imports {package} above it"
+
+
+def test_no_source_file_over_450_lines() -> None:
+    for path in _files():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= 450, f"{path.relative_to(SRC)} has {lines} lines"
+
+
+def test_one_node_walk_and_one_saved_tensor_reader() -> None:
+    for path in _files():
+        if path.name == "_autograd.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert "for fn, _ in node.next_functions if fn is not None" not in text, path
+        assert 'startswith("_saved_")' not in text, path
+        assert "saved_tensors_hooks(" not in text, path
