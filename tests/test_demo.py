@@ -43,7 +43,8 @@ def test_demo_prints_the_numbers_and_the_answers(demo: tuple[str, Path, float]) 
         assert f"\n   {totals}, " in stdout
     assert re.search(r"3 wgrad, 2 dgrad, .*; wasted: 0\.weight \([\d.]+ [kM] FLOPs\)", stdout)
     assert "Largest difference from torch.autograd.grad: 0.0e+00." in stdout
-    assert "they moved by 0.0e+00." in stdout
+    assert "gg.check named the cause: frozen-in-optimizer." in stdout
+    assert "they moved by 0.0e+00, and gg.check found 0 problems." in stdout
     assert "computed 0 weight gradients, 0 input gradients and 0 backward FLOPs in the actor" in (
         stdout
     )

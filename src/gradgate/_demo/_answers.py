@@ -41,23 +41,24 @@ _DRIFT = """\
 import torch, gradgate as gg
 from torch import nn
 
-def train_frozen(freeze_with_gradgate):
+def train_frozen(fixed):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     x = torch.randn(8, 4)
     net(x).sum().backward(); opt.step()  # one ordinary step: momentum now exists
     before = net[0].weight.detach().clone()
-    if freeze_with_gradgate:
-        handle = gg.freeze(net, "0")  # .grad becomes None
+    if fixed:
+        handle = gg.freeze(net, "0")
     else:
-        net[0].requires_grad_(False)  # by hand; zero_grad() below keeps zero tensors
+        net[0].requires_grad_(False)  # by hand
     for _ in range(5):
-        opt.zero_grad(set_to_none=freeze_with_gradgate)
+        opt.zero_grad(set_to_none=fixed)  # by hand: zero tensors are kept
         net(x).sum().backward(); opt.step()
-    return (net[0].weight.detach() - before).abs().max().item()
+    findings = [finding.code for finding in gg.check(net, opt)]
+    return (net[0].weight.detach() - before).abs().max().item(), findings
 
-by_hand, with_gradgate = train_frozen(False), train_frozen(True)
+(by_hand, by_hand_findings), (fixed, fixed_findings) = train_frozen(False), train_frozen(True)
 """
 
 _ACTOR_CRITIC = """\
@@ -84,10 +85,12 @@ def _intermediate_sentence(ns: dict[str, Any]) -> str:
 
 def _drift_sentence(ns: dict[str, Any]) -> str:
     return (
-        "Frozen by hand (requires_grad = False, gradients zeroed but kept), SGD with momentum "
-        f"and weight decay still moved the frozen weights by up to {ns['by_hand']:.2e} in 5 "
-        "steps. Frozen with gg.freeze (gradients None, so the optimizer skips them) they "
-        f"moved by {ns['with_gradgate']:.1e}."
+        "Frozen by hand (requires_grad = False, gradients zeroed but kept as zero tensors), "
+        f"SGD with momentum and weight decay still moved the frozen weights by up to "
+        f"{ns['by_hand']:.2e} in 5 steps, and gg.check named the cause: "
+        f"{', '.join(sorted(set(ns['by_hand_findings'])))}. Frozen with gg.freeze and "
+        "gradients cleared to None (zero_grad's default), the optimizer skipped them: they "
+        f"moved by {ns['fixed']:.1e}, and gg.check found {len(ns['fixed_findings'])} problems."
     )
 
 
