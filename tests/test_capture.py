@@ -9,6 +9,7 @@ from torch import nn
 
 import gradgate as gg
 from gradgate._capture import NoTensorError
+from gradgate._errors import GradientNotReadyError, UnknownCaptureError
 
 
 class Product(nn.Module):
@@ -90,12 +91,12 @@ def test_module_called_twice_gives_list_in_call_order() -> None:
         first = layer(x)
         second = layer(first)
         (1.0 * first.sum() + 3.0 * second.sum()).backward()
-    calls = grads["layer"]
+    calls = grads.calls("layer")
     assert isinstance(calls, list) and len(calls) == 2
+    assert grads["layer"] is calls[1]  # indexing gives the latest call, always one value
     # d loss / d second = 3; d loss / d first = 1 + 3 * (column sums of W)
     torch.testing.assert_close(calls[1], torch.full((1, 2), 3.0))
     torch.testing.assert_close(calls[0], 1.0 + 3.0 * layer.weight.sum(0, keepdim=True))
-    assert all(a is b for a, b in zip(grads.calls("layer"), calls, strict=True))
 
 
 class TupleAndDict(nn.Module):
@@ -145,7 +146,7 @@ def test_clear_between_steps() -> None:
             net(torch.randn(1, 2)).sum().backward()
         assert len(grads.calls("0")) == 3
         grads.clear()
-        assert "0" not in grads
+        assert "0" not in grads and grads.calls("0") == []
 
 
 def test_unknown_name_and_no_tensor_output() -> None:
@@ -160,3 +161,90 @@ def test_unknown_name_and_no_tensor_output() -> None:
     model = nn.ModuleDict({"s": Silent()})
     with gg.capture_grads(model, "s"), pytest.raises(NoTensorError, match="holds no tensor"):
         model["s"](torch.ones(1))
+
+
+# -- issue 14/15: reading captured gradients ---------------------------------------------------
+
+
+def test_reading_before_any_backward_is_a_clear_error_and_get_gives_none() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    grads = gg.capture_grads(net, "0")
+    with pytest.raises(GradientNotReadyError, match="'0' has not run yet"):
+        grads["0"]
+    out = net(torch.randn(3, 2)).sum()
+    with pytest.raises(GradientNotReadyError, match=r"no gradient has reached .*backward\(\)"):
+        grads["0"]
+    assert grads.get("0") is None and isinstance(GradientNotReadyError("x"), KeyError)
+    out.backward()
+    assert grads["0"].shape == (3, 2)
+    grads.remove()
+
+
+def test_output_that_does_not_require_grad_says_why() -> None:
+    net = nn.Sequential(nn.Linear(2, 2))
+    with gg.capture_grads(net, "0") as grads, torch.no_grad():
+        net(torch.randn(3, 2))
+    with pytest.raises(GradientNotReadyError, match="did not require grad"):
+        grads["0"]
+
+
+def test_value_keeps_its_type_across_steps_and_is_the_latest_step() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+    with gg.capture_grads(net, "1") as grads:
+        for step in range(3):
+            x = torch.randn(3, 2)
+            hidden = torch.tanh(net[0](x))  # not through net[1]: that call would be captured
+            (expected,) = torch.autograd.grad(net[2](hidden).pow(2).sum(), hidden)
+            net(x).pow(2).sum().backward()
+            assert isinstance(grads["1"], torch.Tensor), step
+            torch.testing.assert_close(grads["1"], expected)
+            assert len(grads.calls("1")) == step + 1
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential()
+        self.body.add_module("layer3", nn.Linear(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_short_name_as_asked_works_and_a_typo_gets_close_matches() -> None:
+    model = Outer()
+    with gg.capture_grads(model, "layer3") as grads:
+        model(torch.randn(1, 2)).sum().backward()
+    assert grads["layer3"] is grads["body.layer3"]
+    assert "layer3" in grads and list(grads) == ["body.layer3"]
+    with pytest.raises(UnknownCaptureError, match=r"'layr3' was not captured.*'body\.layer3'"):
+        grads["layr3"]
+    with pytest.raises(KeyError):
+        grads.inputs["layer3"]
+    assert grads.get("layr3") is None and "layr3" not in grads
+
+
+def test_no_pattern_is_refused_and_empty_string_is_the_model_itself() -> None:
+    net = nn.Sequential(nn.Linear(2, 1))
+    with pytest.raises(gg.InvalidOptionError, match="capture_grads\\(\\) got no pattern"):
+        gg.capture_grads(net)
+    assert not net._forward_hooks
+    with gg.capture_grads(net, "") as grads:
+        net(torch.randn(2, 2)).sum().backward()
+    assert torch.equal(grads[""], torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_model_under_capture_carries_no_capture(how) -> None:
+    import copy as copying
+    import pickle
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with gg.capture_grads(net, "0", inputs=True) as grads:
+        twin = copying.deepcopy(net) if how == "deepcopy" else pickle.loads(pickle.dumps(net))
+        twin(torch.randn(3, 2)).sum().backward()
+        assert len(grads) == 0 and len(grads.inputs) == 0
+        assert not twin[0]._forward_hooks and not twin[0]._forward_pre_hooks
+        net(torch.randn(3, 2)).sum().backward()
+        assert grads["0"].shape == (3, 2)
