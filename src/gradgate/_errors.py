@@ -55,6 +55,18 @@ class NoTensorError(GradgateError):
     """A module that should carry a gradient produced (or received) no tensor at all."""
 
 
+class UnknownCaptureError(UnknownModuleError, KeyError):
+    """A captured gradient looked up by a name that was not captured (also a ``KeyError``)."""
+
+    __str__ = BaseException.__str__  # the message as written, not KeyError's quoted repr
+
+
+class GradientNotReadyError(GradgateError, KeyError):
+    """A captured gradient was read before any backward reached it (also a ``KeyError``)."""
+
+    __str__ = BaseException.__str__
+
+
 class NoGraphError(GradgateError):
     """The tensor given to :func:`graph` has no autograd graph to draw."""
 
