@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -157,3 +158,27 @@ def test_check_never_prints(capsys: pytest.CaptureFixture[str]) -> None:
     net[0].requires_grad = False
     gg.check(net, torch.optim.SGD(net[2].parameters(), lr=0.1))
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("net",), {}, "gg.check(model=...) got str; expected a torch.nn.Module"),
+        ((nn.Linear(2, 2), "sgd"), {}, "gg.check(optimizer=...) got str 'sgd'; expected"),
+        ((nn.Linear(2, 2), [None]), {}, "gg.check(optimizer=...) got NoneType None; expected"),
+        ((nn.Linear(2, 2),), {"loss": 3.0}, "gg.check(loss=...) got float; expected the torch"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_named(
+    args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(gg.InvalidOptionError, match=re.escape(message)):
+        gg.check(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_list_of_optimizers_is_checked() -> None:
+    net = _net()
+    first = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(net.parameters(), lr=0.1)
+    codes = [(f.code, f.where) for f in gg.check(net, [first, second])]
+    assert codes == [("param-in-two-groups", "0.weight"), ("param-in-two-groups", "0.bias")]

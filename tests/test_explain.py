@@ -130,3 +130,8 @@ def test_clean_step_is_unchanged() -> None:
     model.zero_grad()
     model(x).sum().backward()
     assert torch.equal(got, model.l1.weight.grad)
+
+
+def test_a_model_that_is_not_a_module_is_refused() -> None:
+    with pytest.raises(gg.InvalidOptionError, match=r"gg.explain\(model=...\) got str; expected"):
+        gg.explain("model")  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ._autograd import leaf_variable, walk
+from ._errors import InvalidOptionError
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,44 @@ def check(
     >>> gg.check(net, torch.optim.SGD(net.parameters(), lr=0.1))
     []
     """
+    optimizers = _checked_arguments(model, optimizer, loss)
     names = _parameter_names(model)
     findings = [*_plain_requires_grad_attribute(model), *_norm_in_frozen_region(model)]
-    if optimizer is not None:
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        findings += _optimizer_findings(model, list(optimizers), names)
+    if optimizers:
+        findings += _optimizer_findings(model, optimizers, names)
     if loss is not None:
         findings += _graph_findings(model, loss, names)
     return findings
+
+
+def _checked_arguments(
+    model: object, optimizer: object, loss: object
+) -> list[torch.optim.Optimizer]:
+    """The optimizers to check; :class:`InvalidOptionError` for an argument of the wrong kind."""
+    if not isinstance(model, nn.Module):
+        raise InvalidOptionError(
+            f"gg.check(model=...) got {type(model).__name__}; expected a torch.nn.Module."
+        )
+    if optimizer is None:
+        optimizers: list[object] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    elif isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]
+    for item in optimizers:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise InvalidOptionError(
+                f"gg.check(optimizer=...) got {type(item).__name__} {item!r:.60}; expected a "
+                "torch.optim.Optimizer, a list of them, or None."
+            )
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise InvalidOptionError(
+            f"gg.check(loss=...) got {type(loss).__name__}; expected the torch.Tensor output "
+            "(or loss) of the latest forward, or None."
+        )
+    return optimizers  # type: ignore[return-value]
 
 
 def _parameter_names(model: nn.Module) -> dict[int, str]:

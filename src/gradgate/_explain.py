@@ -40,6 +40,7 @@ from ._errors import (
     GradgateError,
     GraphFreedError,
     InferenceTensorError,
+    InvalidOptionError,
     SavedTensorModifiedError,
 )
 
@@ -153,6 +154,11 @@ def explain(model: nn.Module | None = None) -> Explainer:
     ...     print(type(err).__name__, "|", str(err).splitlines()[1].strip())
     SavedTensorModifiedError | saved by ExpBackward0: op 'exp' outside any module, at <doctest...
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise InvalidOptionError(
+            f"gg.explain(model=...) got {type(model).__name__}; expected a torch.nn.Module "
+            "(for qualified module names) or None."
+        )
     return Explainer(model)
 
 

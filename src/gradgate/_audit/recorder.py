@@ -69,6 +69,7 @@ class Recorder:
         self._optimizer = optimizer
         named = list(model.named_parameters())
         self._params = {id(p): (n, p) for n, p in named}
+        self._param_named = dict(named)
         self._param_by_storage = {storage_key(p): n for n, p in named}
         self._model_storages = set(self._param_by_storage) | {
             storage_key(b) for b in model.buffers()
@@ -172,7 +173,7 @@ class Recorder:
                 info.dgrad = True
 
     def _check_waste(self, info: _NodeInfo, param_name: str, grad: torch.Tensor) -> None:
-        param = self._params_by_name(param_name)
+        param = self._param_named[param_name]
         reason: WasteReason | None = None
         if not param.requires_grad:
             reason = "late_freeze"
@@ -183,9 +184,6 @@ class Recorder:
         key = storage_key(grad)
         flops = sum(count for keys, count in info.outputs if key in keys)
         self._wasted[(param_name, reason)] = self._wasted.get((param_name, reason), 0) + flops
-
-    def _params_by_name(self, name: str) -> torch.Tensor:
-        return next(p for n, p in self._params.values() if n == name)
 
     def _on_backward_op(self, node: Node, flops: int, outputs: list[Piece]) -> None:
         if is_leaf(node):
