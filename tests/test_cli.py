@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -45,11 +45,14 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith(f"gradgate {gg.__version__} (torch ")
 
 
-def test_python_dash_m_runs_the_same_command_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradgate", "--version"], capture_output=True, text=True
-    )
-    assert result.returncode == 0 and result.stdout.startswith("gradgate ")
+def test_python_dash_m_runs_the_same_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["gradgate", "--version"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("gradgate", run_name="__main__")  # what `python -m gradgate` runs
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.startswith(f"gradgate {gg.__version__} ")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "two"])

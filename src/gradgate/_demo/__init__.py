@@ -8,6 +8,8 @@ three more questions (intermediate gradients, a frozen layer that still moves, a
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,17 +70,24 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def require_extras() -> None:
     """Raise :class:`MissingExtraError` with the pip command if the demo's packages are absent."""
-    missing = []
-    for module in ("sklearn", "matplotlib"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append({"sklearn": "scikit-learn"}.get(module, module))
+    missing = [
+        {"sklearn": "scikit-learn"}.get(module, module)
+        for module in ("sklearn", "matplotlib")
+        if not _installed(module)
+    ]
     if missing:
         raise MissingExtraError(
             f"the demo needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
             ' not installed; install them with: pip install "gradgate[demo]"'
         )
+
+
+def _installed(module: str) -> bool:
+    """Whether ``import module`` would find it, without importing it (a ``None`` entry in
+    ``sys.modules`` blocks an import, as Python itself treats it)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def writable_folder(out: Path) -> Path:
