@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import re
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -229,3 +233,79 @@ def test_no_tensor_input_raises() -> None:
     model = nn.ModuleDict({"c": Constant()})
     with gg.reverse_grad(model, "c"), pytest.raises(NoTensorError, match="received no tensor"):
         model["c"](3)
+
+
+# -- issue 14: valid values accepted, bad ones refused before anything is applied, copies ------
+
+
+@pytest.mark.parametrize(
+    "factor",
+    [np.float32(0.25), np.float64(0.25), np.int64(2), torch.tensor(0.25), torch.tensor(2)],
+    ids=["np.float32", "np.float64", "np.int64", "0-d float tensor", "0-d int tensor"],
+)
+def test_numpy_and_zero_dim_tensor_factors_are_numbers(factor) -> None:
+    net, x = _net()
+    ref = _reference(net, x)
+    with gg.scale_grad(net, "2", factor):
+        got = _grads(net, x)
+    torch.testing.assert_close(got["2.weight"], float(factor) * ref["2.weight"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("norm_type", [math.inf, "inf", 1.0, np.float64(3.0)])
+def test_clip_norm_type_inf_and_friends_match_the_formula(norm_type) -> None:
+    net, x = _net()
+    ref = _reference(net, x)
+    with gg.clip_grad(net, "2", max_norm=0.01, norm_type=norm_type):
+        got = _grads(net, x)
+    order = math.inf if norm_type == "inf" else float(norm_type)
+    for name in ("2.weight", "2.bias"):
+        norm = torch.linalg.vector_norm(ref[name], order)
+        expected = ref[name] * torch.clamp(0.01 / (norm + 1e-6), max=1.0)
+        torch.testing.assert_close(got[name], expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda net: gg.scale_grad(net, "", 0.5), "which names no module"),
+        (lambda net: gg.scale_grad(net, "2", torch.ones(2)), "expected a real number"),
+        (lambda net: gg.scale_grad(net, "2", True), "expected a real number"),
+        (lambda net: gg.clip_grad(net, "2", max_norm=1.0, norm_type=-1.0), "norm_type=-1.0"),
+        (lambda net: gg.clip_grad(net, "2", max_norm=1.0, norm_type="l2"), "norm_type='l2'"),
+        (lambda net: gg.scale_grad(torch.ones(2), "2", 0.5), "expected a torch.nn.Module"),
+    ],
+)
+def test_bad_values_are_refused_before_any_hook(call, message) -> None:
+    net, _ = _net()
+    with pytest.raises(gg.GradgateError, match=re.escape(message)):
+        call(net)
+    assert not any(m._forward_pre_hooks for m in net.modules())
+    assert all(not p._backward_hooks for p in net.parameters())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_transformed_model_is_plain_and_the_original_stays_transformed(how) -> None:
+    import copy as copying
+    import io
+    import pickle
+
+    net, x = _net()
+    ref = _reference(net, x)
+    handle = gg.scale_grad(net, "2", 0.5, on="both")
+    _grads(net, x)  # the transform has hooked the parameters
+    if how == "deepcopy":
+        twin = copying.deepcopy(net)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(net))
+    else:
+        buffer = io.BytesIO()
+        torch.save(net, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    got_twin = _grads(twin, x)
+    for name in ref:
+        torch.testing.assert_close(got_twin[name], ref[name], rtol=0, atol=0)
+    assert not any(m._forward_pre_hooks for m in twin.modules())
+    got = _grads(net, x)
+    torch.testing.assert_close(got["2.weight"], 0.5 * ref["2.weight"], rtol=1e-12, atol=0)
+    handle.remove()

@@ -26,6 +26,7 @@ the most recent forward.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -34,11 +35,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._capture import NoTensorError
-from ._errors import InvalidOptionError, TransformError
+from ._errors import InvalidOptionError, NoTensorError, TransformError
 from ._handles import Handle
-from ._select import Pattern, resolve_modules
-from ._validate import check_choice
+from ._hooks import GateHook, HookSet
+from ._select import Pattern, check_module, resolve_modules
+from ._validate import check_choice, check_patterns
 
 On = Literal["params", "input", "both"]
 Count = Literal["forward", "manual"]
@@ -48,10 +49,14 @@ GradFn = Callable[[torch.Tensor], torch.Tensor]
 class TransformHandle(Handle):
     """Undoes one gradient transform (all its hooks), exactly once; also counts steps."""
 
-    def __init__(self, description: str, *, when: Callable[[int], object] | None) -> None:
+    def __init__(
+        self, description: str, fn: GradFn, *, when: Callable[[int], object] | None
+    ) -> None:
         super().__init__(self._remove_hooks, description=description)
+        self._fn = fn
         self._when = when
-        self._hooks: list[RemovableHandle] = []
+        self._module_hooks = HookSet()  # copy-safe: a copy of the model carries none of them
+        self._hooks: list[RemovableHandle] = []  # tensor hooks on parameters
         self._hooked_params: set[int] = set()
         self._steps = 0
         self._applies_now = True
@@ -64,7 +69,6 @@ class TransformHandle(Handle):
     def step(self) -> None:
         """Advance the step counter by one (the way to count with ``count="manual"``)."""
         self._steps += 1
-
 
     def _decide(self, step: int, where: str) -> bool:
         """Whether the forward at ``step`` is transformed (the ``when`` verdict)."""
@@ -80,9 +84,25 @@ class TransformHandle(Handle):
             ) from err
 
     def _remove_hooks(self) -> None:
+        self._module_hooks.remove()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    # forward hooks (bound through GateHook so that copies of the model drop them)
+
+    def _model_forward(self, where: str, advance: bool, module: nn.Module, args: Any) -> None:
+        self._applies_now = self._decide(self._steps, where)
+        if advance:
+            self._steps += 1
+
+    def _params_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        _hook_parameters(self, name, module, self._fn)
+
+    def _input_forward(
+        self, name: str, module: nn.Module, args: Any, kwargs: Any
+    ) -> tuple[Any, Any]:
+        return _alias_inputs(self, name, self._fn, module, args, kwargs)
 
 
 def grad_transform(
@@ -111,6 +131,8 @@ def grad_transform(
     1 True
     >>> handle.remove()
     """
+    check_module(model)
+    (pattern,) = check_patterns("grad_transform", (pattern,))
     check_choice("on", on, get_args(On))
     check_choice("count", count, get_args(Count))
     if not callable(fn):
@@ -125,7 +147,6 @@ def grad_transform(
         )
     matched = resolve_modules(model, [pattern])
     fn_name = getattr(fn, "__name__", type(fn).__name__)
-    handle = TransformHandle(f"grad_transform {pattern!r} {fn_name} on={on}", when=when)
     if on in ("params", "both"):
         for name, module in matched:
             if not any(True for _ in module.parameters()):
@@ -134,19 +155,19 @@ def grad_transform(
                     "has no parameter gradient to transform; use on='input' to change the "
                     "gradient flowing out of it."
                 )
+    handle = TransformHandle(f"grad_transform {pattern!r} {fn_name} on={on}", fn, when=when)
+    hooks = handle._module_hooks
     for name, module in matched:
         if on in ("params", "both"):
             _hook_parameters(handle, name, module, fn)
-            hook = _hook_parameters_on_forward(handle, name, fn)
-            handle._hooks.append(module.register_forward_pre_hook(hook))
+            hooks.pre(module, GateHook(handle, "_params_forward", name))
         if on in ("input", "both"):
-            hook = _alias_inputs(handle, name, fn)
-            handle._hooks.append(
-                module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+            hooks.pre(
+                module, GateHook(handle, "_input_forward", name), with_kwargs=True, prepend=True
             )
     # Registered last and prepended: decides the step before any module hook of this model.
-    hook = _on_model_forward(handle, repr(pattern), advance=count == "forward")
-    handle._hooks.append(model.register_forward_pre_hook(hook, prepend=True))
+    hook = GateHook(handle, "_model_forward", repr(pattern), count == "forward")
+    hooks.pre(model, hook, prepend=True)
     return handle
 
 
@@ -232,7 +253,7 @@ def clip_grad(
         fn = _ClipValue(_positive("max_value", max_value))
     else:
         assert max_norm is not None
-        fn = _ClipNorm(_positive("max_norm", max_norm), _positive("norm_type", norm_type))
+        fn = _ClipNorm(_positive("max_norm", max_norm), _norm_type(norm_type))
     return grad_transform(model, pattern, fn, on=on, when=when)
 
 
@@ -262,22 +283,6 @@ def zero_grad_of(
 # -- the hooks --------------------------------------------------------------------------------
 
 
-def _on_model_forward(handle: TransformHandle, where: str, *, advance: bool) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        handle._applies_now = handle._decide(handle._steps, where)
-        if advance:
-            handle._steps += 1
-
-    return hook
-
-
-def _hook_parameters_on_forward(handle: TransformHandle, name: str, fn: GradFn) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        _hook_parameters(handle, name, module, fn)
-
-    return hook
-
-
 def _hook_parameters(handle: TransformHandle, name: str, module: nn.Module, fn: GradFn) -> None:
     if not handle.active:
         return
@@ -297,26 +302,25 @@ def _param_hook(handle: TransformHandle, where: str, fn: GradFn) -> Any:
     return hook
 
 
-def _alias_inputs(handle: TransformHandle, name: str, fn: GradFn) -> Any:
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        leaves, spec = tree_flatten((args, kwargs))
-        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            raise NoTensorError(
-                f"module {name!r} ({type(module).__name__}) received no tensor input, so "
-                "there is no gradient flowing out of it to transform; expected a module "
-                "called with tensors. Use on='params' for its parameter gradients."
-            )
-        if not handle._applies_now:
-            return args, kwargs
-        for index, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and torch.is_grad_enabled():
-                alias = leaf.view_as(leaf)
-                alias.register_hook(lambda grad: _apply(fn, grad, f"input of {name!r}"))
-                leaves[index] = alias
-        new_args, new_kwargs = tree_unflatten(leaves, spec)
-        return tuple(new_args), new_kwargs
-
-    return hook
+def _alias_inputs(
+    handle: TransformHandle, name: str, fn: GradFn, module: nn.Module, args: Any, kwargs: Any
+) -> tuple[Any, Any]:
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise NoTensorError(
+            f"module {name!r} ({type(module).__name__}) received no tensor input, so "
+            "there is no gradient flowing out of it to transform; expected a module "
+            "called with tensors. Use on='params' for its parameter gradients."
+        )
+    if not handle._applies_now:
+        return args, kwargs
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and torch.is_grad_enabled():
+            alias = leaf.view_as(leaf)
+            alias.register_hook(lambda grad: _apply(fn, grad, f"input of {name!r}"))
+            leaves[index] = alias
+    new_args, new_kwargs = tree_unflatten(leaves, spec)
+    return tuple(new_args), new_kwargs
 
 
 def _apply(fn: GradFn, grad: torch.Tensor, where: str) -> torch.Tensor:
@@ -380,18 +384,45 @@ class _ClipNorm:
         return f"clip(max_norm={self.max_norm}, norm_type={self.norm_type})"
 
 
-def _number(option: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _number(option: str, value: object, *, finite: bool = True) -> float:
+    """A real number from a Python, numpy or 0-d tensor value (not a bool)."""
+    number: object = value
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.dtype == torch.bool or value.is_complex():
+            raise InvalidOptionError(
+                f"{option}={value!r} is a tensor of shape {tuple(value.shape)} and dtype "
+                f"{value.dtype}; expected a real number (a 0-d real tensor also works)."
+            )
+        number = value.item()
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
         raise InvalidOptionError(
             f"{option}={value!r} has type {type(value).__name__}; expected a real number."
         )
-    if not math.isfinite(value):
+    result = float(number)
+    if finite and not math.isfinite(result):
         raise InvalidOptionError(f"{option}={value!r} is not finite; expected a finite number.")
-    return float(value)
+    return result
 
 
 def _positive(option: str, value: object) -> float:
     number = _number(option, value)
     if number <= 0:
         raise InvalidOptionError(f"{option}={value!r} must be positive; expected a number > 0.")
+    return number
+
+
+def _norm_type(value: object) -> float:
+    """A p-norm order: a number > 0, or ``inf`` (also the string ``'inf'``, as in torch)."""
+    if isinstance(value, str):
+        if value.strip().lower() == "inf":
+            return math.inf
+        raise InvalidOptionError(
+            f"norm_type={value!r} is not a norm order; expected a number > 0 or 'inf', "
+            "e.g. norm_type=2.0 or norm_type=float('inf')."
+        )
+    number = _number("norm_type", value, finite=False)
+    if not number > 0:
+        raise InvalidOptionError(
+            f"norm_type={value!r} is not a norm order; expected a number > 0 or inf."
+        )
     return number
