@@ -1,0 +1,132 @@
+"""Training-framework callbacks that drive a gate with a schedule (imported only when used).
+
+``from gradgate.integrations.transformers import GateCallback`` (an HF ``TrainerCallback``) and
+``from gradgate.integrations.lightning import GateCallback`` (a Lightning ``Callback``) set the
+schedule's plan before every optimizer step's first forward (the same plan for every
+micro-batch of a step under gradient accumulation), log it to the trainer's own loggers, and
+drop the optimizer state of blocks that will never learn again. The plan follows the trainer's
+``global_step``, so a run resumed from a checkpoint continues the same sequence.
+
+This package imports neither transformers nor lightning; each submodule imports its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from importlib import import_module
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import InvalidOptionError, MissingExtraError
+from .._gate import BackpropGate
+from .._select import Pattern
+from ..optim import drop_finished
+from ..schedules import Plan, Schedule
+
+__all__: list[str] = []
+
+PREFIX = "gradgate/"
+_FRAMEWORKS = ("lightning", "transformers")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FRAMEWORKS:  # gg.integrations.transformers imports it on first use
+        return import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gradgate.integrations' has no attribute {name!r}")
+
+
+def require(module: str, pip_name: str) -> None:
+    """Raise :class:`MissingExtraError` with the pip command when ``module`` is absent."""
+    try:
+        __import__(module)
+    except ImportError:
+        raise MissingExtraError(
+            f"gradgate.integrations.{module} needs {pip_name}, which is not installed; install "
+            f"it with: pip install {pip_name}"
+        ) from None
+
+
+class Driver:
+    """What both callbacks do: plan per optimizer step, metrics, optimizer state to drop."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        gate: BackpropGate | None,
+        *,
+        blocks: Sequence[Pattern] | str | None,
+        log: bool,
+        drop_state: bool,
+    ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise InvalidOptionError(
+                f"schedule={schedule!r}; expected a gradgate.schedules schedule, e.g. "
+                "gg.schedules.LISA(n, k=2, every=20)."
+            )
+        if gate is not None and not isinstance(gate, BackpropGate):
+            raise InvalidOptionError(
+                f"gate={gate!r}; expected a gradgate.BackpropGate or None (the callback then "
+                "gates the trainer's model)."
+            )
+        for option, value in (("log", log), ("drop_state", drop_state)):
+            if not isinstance(value, bool):
+                raise InvalidOptionError(f"{option}={value!r}; expected True or False.")
+        self.schedule = schedule
+        self.gate = gate
+        self.blocks = blocks
+        self.log = log
+        self.drop_state = drop_state
+        self.owns_gate = False
+        self.step: int | None = None
+        self.plan: Plan | None = None
+        self.dropped: frozenset[int] = frozenset()
+
+    def attach(self, model: nn.Module) -> None:
+        """Gate ``model`` unless a gate was given (or made already)."""
+        if self.gate is None or not self.gate.active:
+            self.gate = BackpropGate(model, self.blocks)
+            self.owns_gate = True
+        if len(self.gate.blocks) != self.schedule.n:
+            raise InvalidOptionError(
+                f"{self.schedule!r} plans over {self.schedule.n} blocks but the gate has "
+                f"{len(self.gate.blocks)} ({self.gate.blocks[0]!r}...); build the schedule with "
+                f"n={len(self.gate.blocks)}."
+            )
+
+    def begin_step(self, step: int) -> Plan:
+        """Set the plan of optimizer step ``step`` (once per step, whatever the micro-batches)."""
+        assert self.gate is not None, "attach() first"
+        if step != self.step or self.plan is None:
+            self.plan = self.schedule.apply(self.gate, step)
+            self.step = step
+        return self.plan
+
+    def end_step(self, optimizers: Iterable[Any], next_step: int) -> None:
+        """Drop the state of blocks that learn at no step from ``next_step`` on."""
+        if not self.drop_state or self.gate is None:
+            return
+        finished = self.schedule.finished(next_step)
+        if finished == self.dropped:
+            return
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate / Lightning wrappers
+            if isinstance(inner, torch.optim.Optimizer):
+                drop_finished(inner, self.gate, self.schedule, next_step)
+        self.dropped = finished
+
+    def metrics(self) -> dict[str, float]:
+        """The current plan's numbers, named ``gradgate/...``."""
+        if self.plan is None or self.gate is None:
+            return {}
+        found = self.plan.metrics(len(self.gate.blocks))
+        return {f"{PREFIX}{key}": float(value) for key, value in found.items()}
+
+    def detach(self) -> None:
+        """Remove the gate if this driver made it."""
+        if self.owns_gate and self.gate is not None:
+            self.gate.remove()
+            self.gate = None
+            self.owns_gate = False
+        self.step = self.plan = None

@@ -1,0 +1,102 @@
+"""A Lightning ``Callback`` that sets a schedule's plan on a gate every optimizer step.
+
+Usage (``n`` is the number of blocks)::
+
+    from gradgate.integrations.lightning import GateCallback
+
+    callback = GateCallback(gg.schedules.GradualUnfreeze(n, every=100), model="backbone")
+    lightning.Trainer(callbacks=[callback], ...).fit(module, data)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import Driver, require
+
+require("lightning", "lightning")
+
+from lightning.pytorch import Callback  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .._errors import InvalidOptionError  # noqa: E402
+from .._gate import BackpropGate  # noqa: E402
+from .._select import Pattern, find_module  # noqa: E402
+from ..schedules import Plan, Schedule  # noqa: E402
+
+__all__ = ["GateCallback"]
+
+
+class GateCallback(Callback):  # type: ignore[misc]
+    """Drive a :class:`gradgate.BackpropGate` with a schedule inside ``lightning.Trainer``.
+
+    The plan for ``trainer.global_step`` is set in ``on_train_batch_start``, before the
+    batch's forward; under ``accumulate_grad_batches`` every batch of one optimizer step gets
+    the same plan. Without a ``gate`` the callback gates, when fitting starts, the submodule
+    named ``model`` (the one ``training_step`` calls, e.g. ``"net"``; ``None``: the
+    LightningModule itself, for modules whose ``training_step`` calls ``self(...)``) and
+    removes that gate when fitting ends. The plan's numbers are logged with ``pl_module.log``
+    as ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
+    ``gradgate/skipped_blocks`` and ``gradgate/learning_share``. ``drop_state=True`` frees the
+    optimizer state of blocks the schedule says never learn again.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        gate: BackpropGate | None = None,
+        *,
+        model: str | None = None,
+        blocks: Sequence[Pattern] | str | None = None,
+        log: bool = True,
+        drop_state: bool = True,
+    ) -> None:
+        if model is not None and (gate is not None or not isinstance(model, str)):
+            raise InvalidOptionError(
+                f"model={model!r} with gate={gate!r}; expected the name of the LightningModule's "
+                "submodule to gate (a string), and no gate, or a gate and no model."
+            )
+        self._model = model
+        self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+
+    @property
+    def gate(self) -> BackpropGate | None:
+        """The gate this callback drives (made when fitting starts if none was given)."""
+        return self._driver.gate
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the current (or last) step."""
+        return self._driver.plan
+
+    # -- Trainer hooks ---------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        target = pl_module if self._model is None else find_module(pl_module, self._model)[1]
+        self._driver.attach(target)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._driver.begin_step(trainer.global_step)
+        if self._driver.log:
+            metrics = self._driver.metrics()
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._driver.end_step(trainer.optimizers, trainer.global_step)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._driver.detach()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._driver.detach()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self._driver.schedule.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._driver.schedule.load_state_dict(state_dict["schedule"])

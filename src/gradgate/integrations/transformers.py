@@ -1,0 +1,102 @@
+"""A Hugging Face ``TrainerCallback`` that sets a schedule's plan on a gate every step.
+
+Usage (``n`` is the number of blocks, ``len(gg.blocks(model))``)::
+
+    from gradgate.integrations.transformers import GateCallback
+
+    callback = GateCallback(gg.schedules.LISA(n, k=2, every=20, always=["model.embed_tokens"]))
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+    callback.put_first(trainer)  # so that reporters (wandb, TensorBoard) see the numbers too
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import Driver, require
+
+require("transformers", "transformers")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from .._gate import BackpropGate  # noqa: E402
+from .._select import Pattern  # noqa: E402
+from ..schedules import Plan, Schedule  # noqa: E402
+
+__all__ = ["GateCallback"]
+
+
+class GateCallback(TrainerCallback):  # type: ignore[misc]
+    """Drive a :class:`gradgate.BackpropGate` with a schedule inside ``transformers.Trainer``.
+
+    The plan for optimizer step ``state.global_step`` is set in ``on_step_begin``, before the
+    step's first forward; every micro-batch of a gradient-accumulation step uses it. Without a
+    ``gate`` the callback gates the trainer's model (``blocks`` as for ``BackpropGate``) when
+    training begins and removes that gate when it ends. ``on_log`` adds ``gradgate/depth``
+    (for depth plans), ``gradgate/learning_blocks``, ``gradgate/skipped_blocks`` and
+    ``gradgate/learning_share`` to the logs; reporters registered before this callback (those
+    of ``report_to``) see them only after :meth:`put_first`. ``drop_state=True`` frees the
+    optimizer state of blocks the schedule says never learn again.
+
+    Works with non-reentrant gradient checkpointing
+    (``gradient_checkpointing_kwargs={"use_reentrant": False}``).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        gate: BackpropGate | None = None,
+        *,
+        blocks: Sequence[Pattern] | str | None = None,
+        log: bool = True,
+        drop_state: bool = True,
+    ) -> None:
+        self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+
+    @property
+    def gate(self) -> BackpropGate | None:
+        """The gate this callback drives (made at train begin when none was given)."""
+        return self._driver.gate
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the current (or last) step."""
+        return self._driver.plan
+
+    def put_first(self, trainer: Any) -> GateCallback:
+        """Move this callback to the front of ``trainer``'s callbacks (adding it if absent).
+
+        ``report_to`` reporters are registered before user callbacks, and each sees ``logs`` in
+        ``on_log`` when its turn comes: first place lets them see the gate's numbers.
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    # -- Trainer events --------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._driver.attach(kwargs["model"])
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._driver.begin_step(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = kwargs.get("optimizer")
+        self._driver.end_step([] if optimizer is None else [optimizer], state.global_step)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if not self._driver.log or logs is None or "loss" not in logs:
+            return  # train logs only; evaluation and the final summary carry no plan
+        metrics = self._driver.metrics()
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)  # the Trainer copied logs there just before
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._driver.detach()
