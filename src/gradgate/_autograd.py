@@ -168,7 +168,7 @@ class _Chained:
 
 
 @contextlib.contextmanager
-def observe_saved(on_save: Callable[[torch.Tensor], None]) -> Iterator[None]:
+def observe_saved(on_save: Callable[[torch.Tensor], object]) -> Iterator[None]:
     """Call ``on_save(tensor)`` for every tensor autograd saves for backward inside the block.
 
     The packed value never holds the tensor itself (autograd saving an output, as ``sigmoid``
@@ -176,12 +176,15 @@ def observe_saved(on_save: Callable[[torch.Tensor], None]) -> Iterator[None]:
     it alive even after ``gc.collect()``). Hooks already installed outside the block (another
     audit, a CPU-offload hook) keep working: their pack and unpack run too.
 
+    With :class:`StorageBytes` it measures the bytes a step saves for backward:
+
     >>> import torch
-    >>> seen = []
-    >>> with observe_saved(lambda t: seen.append(tuple(t.shape))):
-    ...     y = torch.ones(3, requires_grad=True).sigmoid()
-    >>> seen
-    [(3,)]
+    >>> weight = torch.ones(4, 4, requires_grad=True)
+    >>> saved = StorageBytes(exclude=[storage_key(weight)])  # the model holds it anyway
+    >>> with observe_saved(saved.add):
+    ...     y = (torch.ones(2, 4) @ weight).sigmoid()  # saves the input and the output
+    >>> saved.total
+    64
     """
     outer = _outer_hooks()
     if outer is None:
