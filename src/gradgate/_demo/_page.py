@@ -41,7 +41,8 @@ table{margin:.6em 0;font-size:15px}th{text-align:left;background:#f6f8fa}
 td,th{padding:3px 10px}tr.total td{font-weight:600;border-top:2px solid #999}
 td.w{color:#b00;font-weight:600}
 .cols{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start}
-.cols>.text{flex:1 1 520px;min-width:0}.cols>.graph{flex:0 1 auto;max-width:100%}
+.cols>.text{flex:1 1 600px;min-width:min(600px,100%)}
+.cols>.graph{flex:0 1 auto;max-width:100%}td:first-child{white-space:nowrap}
 .graph svg{max-width:100%;height:auto}
 dl.words dt{font-weight:600;margin-top:.4em}dl.words dd{margin-left:1.2em}
 .answer{background:#eef7ee;border-left:4px solid #2e8b57;padding:.4em .9em}
@@ -145,7 +146,6 @@ def _accuracy_plot(runs: list[Run]) -> str:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     with matplotlib.rc_context({"font.size": 11, "svg.fonttype": "none"}):
         figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -153,7 +153,7 @@ def _accuracy_plot(runs: list[Run]) -> str:
             epochs = range(1, len(run.accuracy) + 1)
             left.plot(epochs, run.accuracy, marker="o", label=run.name)
         left.set(xlabel="epoch", ylabel="test accuracy", title="accuracy after each epoch")
-        left.xaxis.set_major_locator(MaxNLocator(integer=True))
+        left.set_xticks(range(1, len(runs[0].accuracy) + 1))
         left.legend()
         millions = [r.backward_flops / 1e6 for r in runs]
         right.barh([r.name for r in runs], millions, color=["#888", "#2a7"])
