@@ -1,0 +1,373 @@
+"""Scale out: DDP and FSDP2 with a plan that changes every step.
+
+Three jobs, each one function:
+
+* :func:`allreduce_trained` — a DDP communication hook that all-reduces only the parameters
+  that got a gradient, so the bytes sent each step are proportional to what learns;
+* :func:`check_same_plan` — every rank must use the same plan in a step, else
+  :class:`~gradgate.RankMismatchError` on every rank (``BackpropGate(..., check_ranks=True)``);
+* :func:`require_find_unused_parameters` and :func:`apply_plan_to_fsdp` — DDP and FSDP2 set up
+  for parameters that get no gradient in some steps.
+
+Outside a process group every check passes, so the same script runs on one process:
+
+>>> import gradgate as gg
+>>> gg.distributed.check_same_plan((2, 3))   # no process group: nothing to compare
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._errors import GradgateError, RankMismatchError
+from ._handles import Handle
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import GradBucket
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "TrainedAllReduce",
+    "allreduce_trained",
+    "apply_plan_to_fsdp",
+    "calling_ddp",
+    "check_same_plan",
+    "require_find_unused_parameters",
+]
+
+_STATE_ATTRIBUTE = "_gradgate_trained_allreduce"
+
+
+# -- rank agreement ---------------------------------------------------------------------------
+def check_same_plan(
+    plan_key: tuple[int, ...] | bytes,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: float = 60.0,
+    describe: str | None = None,
+) -> None:
+    """Raise :class:`~gradgate.RankMismatchError` on every rank unless all ranks pass the same key.
+
+    Costs one all-reduce of two 64-bit integers (a hash of ``plan_key``: its maximum and, negated,
+    its minimum over the ranks). On a mismatch every rank sees it at once, the ranks exchange
+    their plans (``describe`` if given, else the key) and each raises naming all of them. A rank
+    that does not reach the check within ``timeout`` seconds makes the waiting ranks raise
+    instead of hanging. Without an initialized process group (one process) there is nothing to
+    compare and the call returns.
+
+    >>> check_same_plan((1, 2, -2))     # one process: returns at once
+    >>> check_same_plan(b"depth=3")
+    """
+    if not _in_process_group():
+        return
+    fingerprint = _fingerprint(plan_key)
+    extremes = torch.tensor(
+        [fingerprint, -fingerprint], dtype=torch.int64, device=_device(process_group)
+    )
+    work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=process_group, async_op=True)
+    _wait(work, timeout, what="the plan check")
+    if extremes[0].item() == -extremes[1].item():
+        return
+    plans: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(
+        plans, describe if describe is not None else plan_key, group=process_group
+    )
+    listed = "; ".join(f"rank {rank}: {plan!r}" for rank, plan in enumerate(plans))
+    raise RankMismatchError(
+        f"the ranks use different plans in this step ({listed}); expected one plan on every "
+        "rank, else DDP averages gradients of blocks only some ranks trained. Drive the plan "
+        "from a seeded schedule (gg.schedules.RandomDepth(n, seed=0).apply(gate, step)) or "
+        "broadcast it from rank 0 before the forward."
+    )
+
+
+def _in_process_group() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _fingerprint(plan_key: tuple[int, ...] | bytes) -> int:
+    if isinstance(plan_key, bytes):
+        data = plan_key
+    elif isinstance(plan_key, tuple) and all(isinstance(v, int) for v in plan_key):
+        data = repr(plan_key).encode()
+    else:
+        raise GradgateError(
+            f"plan_key={plan_key!r}; expected a tuple of ints or bytes (e.g. the learning block "
+            "indices). Pass tuple(sorted(indices))."
+        )
+    # 63 bits so that negating it can never overflow int64
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def _device(process_group: dist.ProcessGroup | None) -> torch.device:
+    backend = str(dist.get_backend(process_group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _wait(work: Any, timeout: float, *, what: str) -> None:
+    try:
+        finished = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as error:  # gloo reports a timeout (or a peer's failure) by raising
+        raise RankMismatchError(
+            f"{what} did not finish on rank {dist.get_rank()} within timeout={timeout} s "
+            f"({error}); expected every rank to run the same gated forward. A rank stopped, "
+            "crashed or took another code path; look at the other ranks' errors."
+        ) from error
+    if finished is False:
+        raise RankMismatchError(
+            f"{what} did not finish on rank {dist.get_rank()} within timeout={timeout} s; "
+            "expected every rank to run the same gated forward."
+        )
+
+
+# -- DDP set-up -------------------------------------------------------------------------------
+def require_find_unused_parameters(model: nn.Module) -> None:
+    """Raise a clear error if ``model`` is a DDP wrapper that cannot skip parameters.
+
+    A cut gives the parameters before it no gradient. Plain DDP then waits for them forever and
+    fails at the next step with "Expected to have finished reduction in the prior iteration".
+    DDP cannot switch ``find_unused_parameters`` on after it was built, so this raises before
+    the first step. A model that is not DDP passes.
+
+    >>> require_find_unused_parameters(torch.nn.Linear(2, 2))   # not DDP: fine
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    if model.static_graph:
+        raise GradgateError(
+            "DistributedDataParallel(..., static_graph=True) assumes the same parameters get "
+            "gradients every step, but a gate changes that per step; expected "
+            "static_graph=False with find_unused_parameters=True. Build it as "
+            "DistributedDataParallel(model, find_unused_parameters=True)."
+        )
+    if not model.find_unused_parameters:
+        raise GradgateError(
+            "DistributedDataParallel(..., find_unused_parameters=False) cannot train a gated "
+            "model: parameters before the cut get no gradient and DDP fails at the next step "
+            "('Expected to have finished reduction'). Expected find_unused_parameters=True: "
+            "DistributedDataParallel(model, find_unused_parameters=True) (HF Trainer: "
+            "ddp_find_unused_parameters=True; Lightning: "
+            "strategy='ddp_find_unused_parameters_true'; accelerate: "
+            "DistributedDataParallelKwargs(find_unused_parameters=True)); then "
+            "gg.distributed.allreduce_trained(ddp_model) sends only what learns."
+        )
+
+
+def calling_ddp() -> DistributedDataParallel | None:
+    """The DDP wrapper whose forward is running in this thread, if any (for a gate's check)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(owner, DistributedDataParallel):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+# -- DDP: all-reduce only what learns ---------------------------------------------------------
+class TrainedAllReduce(Handle):
+    """The handle of :func:`allreduce_trained`; counts the bytes it all-reduced.
+
+    DDP cannot unregister a comm hook, so ``remove()`` switches the hook to all-reducing every
+    bucket in full (DDP's default averaging) and removes the per-parameter hooks; calling
+    :func:`allreduce_trained` again on the same model switches it back.
+    """
+
+    def __init__(
+        self, ddp: DistributedDataParallel, process_group: dist.ProcessGroup | None
+    ) -> None:
+        super().__init__(
+            self._deactivate, description=f"trained-only all-reduce of {type(ddp.module).__name__}"
+        )
+        self.group = process_group if process_group is not None else ddp.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self.bytes_reduced = 0  # bytes of gradient all-reduced by this hook so far
+        self.bytes_full = 0  # bytes DDP's default hook would have all-reduced
+        self.trained_only = True
+        self._fresh: set[int] = set()  # ids of parameters with a gradient not yet reduced
+        self._hooks = self._watch(ddp)
+
+    def _watch(self, ddp: DistributedDataParallel) -> list[Any]:
+        def mark(param: torch.Tensor) -> None:
+            self._fresh.add(id(param))
+
+        return [
+            param.register_post_accumulate_grad_hook(mark)
+            for param in ddp.module.parameters()
+            if param.requires_grad
+        ]
+
+    def _deactivate(self) -> None:
+        self.trained_only = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._fresh.clear()
+
+    def _reduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        self.bytes_full += buffer.numel() * buffer.element_size()
+        stretches = self._stretches(bucket) if self.trained_only else [(0, buffer.numel())]
+        if not stretches:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        single = len(stretches) == 1
+        packed = (
+            buffer[stretches[0][0] : stretches[0][1]]
+            if single
+            else torch.cat([buffer[start:end] for start, end in stretches])
+        )
+        packed.div_(self.world_size)
+        self.bytes_reduced += packed.numel() * packed.element_size()
+        work = dist.all_reduce(packed, group=self.group, async_op=True)
+
+        def unpack(future: torch.futures.Future[Any]) -> torch.Tensor:
+            future.wait()
+            if not single:
+                position = 0
+                for start, end in stretches:
+                    buffer[start:end].copy_(packed[position : position + end - start])
+                    position += end - start
+            return buffer
+
+        return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(unpack))
+
+    def _stretches(self, bucket: GradBucket) -> list[tuple[int, int]]:
+        """Runs of the bucket whose parameters got a gradient on any rank since the last sync."""
+        params = bucket.parameters()
+        used = torch.tensor([id(p) in self._fresh for p in params], dtype=torch.uint8)
+        self._fresh.difference_update(id(p) for p in params)
+        if self.world_size > 1:  # every rank must send the same stretches: take the union
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        stretches: list[tuple[int, int]] = []
+        offset = 0
+        for param, flag in zip(params, used.tolist(), strict=True):
+            end = offset + param.numel()
+            if flag and stretches and stretches[-1][1] == offset:
+                stretches[-1] = (stretches[-1][0], end)
+            elif flag:
+                stretches.append((offset, end))
+            offset = end
+        if offset != bucket.buffer().numel():  # a layout this hook does not know: send it all
+            return [(0, bucket.buffer().numel())]
+        return stretches
+
+    def __repr__(self) -> str:
+        share = self.bytes_reduced / self.bytes_full if self.bytes_full else 0.0
+        mode = "trained only" if self.trained_only else "full (removed)"
+        return (
+            f"<gradgate.distributed.TrainedAllReduce {mode}: {self.bytes_reduced} of "
+            f"{self.bytes_full} bytes ({share:.1%})>"
+        )
+
+
+def allreduce_trained(
+    ddp_model: nn.Module, *, process_group: dist.ProcessGroup | None = None
+) -> TrainedAllReduce:
+    """Make DDP all-reduce only the parameters that got a gradient since the last sync.
+
+    Registers a DDP communication hook. Each bucket sends the stretches whose parameters
+    received a gradient on any rank (a one-byte-per-parameter all-reduce agrees on them), so
+    the bytes per step are proportional to the trained share; gradients are the same average
+    DDP computes. Accumulation under ``no_sync`` with a different plan per micro-batch,
+    ``gradient_as_bucket_view=True`` and buckets that cut across blocks are handled. Needs
+    ``find_unused_parameters=True``. ``handle.bytes_reduced`` / ``handle.bytes_full`` count
+    what was sent against what plain DDP sends; ``handle.remove()`` restores full averaging.
+
+    >>> ddp = DistributedDataParallel(model, find_unused_parameters=True)  # doctest: +SKIP
+    >>> handle = gg.distributed.allreduce_trained(ddp)                     # doctest: +SKIP
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise GradgateError(
+            f"allreduce_trained got a {type(ddp_model).__name__}; expected a "
+            "torch.nn.parallel.DistributedDataParallel. Wrap the model first: "
+            "ddp = DistributedDataParallel(model, find_unused_parameters=True)."
+        )
+    require_find_unused_parameters(ddp_model)
+    previous: TrainedAllReduce | None = getattr(ddp_model, _STATE_ATTRIBUTE, None)
+    if previous is not None and previous.active:
+        raise GradgateError(
+            f"allreduce_trained is already active on this model ({previous!r}); expected "
+            "one per model. Keep the first handle, or call handle.remove() first."
+        )
+    handle = TrainedAllReduce(ddp_model, process_group)
+    setattr(ddp_model, _STATE_ATTRIBUTE, handle)
+    if previous is None:  # DDP takes one comm hook for its lifetime; later handles reuse it
+        ddp_model.register_comm_hook(ddp_model, _reduce_bucket)
+    return handle
+
+
+def _reduce_bucket(ddp_model: nn.Module, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    handle: TrainedAllReduce = getattr(ddp_model, _STATE_ATTRIBUTE)
+    return handle._reduce(bucket)
+
+
+# DDP checks the hook's annotations as objects; postponed evaluation made them strings.
+_reduce_bucket.__annotations__ = {
+    "ddp_model": nn.Module,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------
+def apply_plan_to_fsdp(
+    block_modules: Sequence[nn.Module], in_backward: Sequence[bool]
+) -> Callable[[], None]:
+    """Stop FSDP2 from all-gathering blocks that backward does not run through this step.
+
+    ``in_backward[i]`` is whether block ``i`` takes part in backward: it learns, or a block
+    before it learns so the gradient passes through it. Blocks that ran with no graph (before
+    the cut, or skipped) do not, yet FSDP2's backward prefetch all-gathers the last of them;
+    ``set_unshard_in_backward(False)`` on them makes backward all-gather exactly the learning
+    units. Returns a function that restores the previous settings. Blocks that are not
+    ``fully_shard``-ed are left alone.
+
+    >>> restore = apply_plan_to_fsdp([torch.nn.Linear(2, 2)], [False])  # not FSDP: no-op
+    >>> restore()
+    """
+    if len(block_modules) != len(in_backward):
+        raise GradgateError(
+            f"apply_plan_to_fsdp got {len(block_modules)} blocks and {len(in_backward)} "
+            "in_backward flags; expected one flag per block."
+        )
+    previous: list[tuple[Any, bool]] = []
+    for module, needed in zip(block_modules, in_backward, strict=True):
+        for group in [] if needed else _fsdp_param_groups(module):
+            previous.append((group, group.unshard_in_backward))
+            group.unshard_in_backward = False
+
+    def restore() -> None:
+        for group, value in reversed(previous):
+            group.unshard_in_backward = value
+        previous.clear()
+
+    return restore
+
+
+def _fsdp_param_groups(module: nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    if not isinstance(module, FSDPModule):
+        return []
+    state = module._get_fsdp_state()
+    return list(state._fsdp_param_groups)
