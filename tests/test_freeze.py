@@ -187,11 +187,14 @@ def test_freeze_keeps_gradient_accumulated_by_earlier_micro_batches() -> None:
 
 
 @pytest.mark.parametrize("call", [gg.freeze, gg.frozen, gg.unfreeze])
-def test_no_pattern_is_refused_with_the_fix(call) -> None:
+def test_no_pattern_is_the_empty_set_and_says_so(call) -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(gg.InvalidOptionError, match=r"got no pattern.*pass '\*\*'"):
-        call(model)
-    assert model[0].weight.requires_grad
+    model[0].bias.requires_grad_(False)
+    handle = call(model, *[])
+    assert handle.parameters == [] and "nothing" in repr(handle)
+    assert [p.requires_grad for p in model.parameters()] == [True, False]
+    handle.undo()
+    assert [p.requires_grad for p in model.parameters()] == [True, False]
 
 
 @pytest.mark.parametrize("pattern", ["", " "])

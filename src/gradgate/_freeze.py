@@ -252,7 +252,8 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     """Stop the matched parameters from learning; returns an undo handle (a context manager).
 
     Patterns are module or parameter names, globs or ranges (see :func:`gradgate.select`);
-    ``'**'`` is the whole model. At least one pattern is needed, and ``''`` is refused.
+    ``'**'`` is the whole model and ``''`` is refused. What is frozen is the union of the
+    matches, so no pattern at all freezes nothing (a per-step freeze set may be empty).
     Frozen parameters get ``requires_grad=False``, so backward gives them no new gradient;
     a gradient they already hold (earlier micro-batches of an accumulation) is kept. Call
     ``optimizer.zero_grad()`` (``set_to_none=True``, the default) so no optimizer moves them.
@@ -272,7 +273,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     """
     check_module(model)
     check_choice("norm", norm, get_args(NormMode))
-    patterns = check_patterns("freeze", patterns)
+    patterns = check_patterns("freeze", patterns, allow_none=True)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     for name, param in params:
@@ -283,7 +284,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
                 "by one freeze at a time. Undo that handle first, or leave it out of the "
                 "patterns."
             )
-    handle = FreezeHandle(f"freeze {', '.join(map(repr, patterns))}")
+    handle = FreezeHandle(_describe("freeze", patterns))
     for name, param in params:
         if param.requires_grad:
             handle._hold(name, locations[id(param)])
@@ -332,10 +333,10 @@ def unfreeze(
             f"optimizer={optimizer!r:.60} has type {type(optimizer).__name__}; expected a "
             "torch.optim.Optimizer (the one training this model) or None."
         )
-    patterns = check_patterns("unfreeze", patterns)
+    patterns = check_patterns("unfreeze", patterns, allow_none=True)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
-    handle = UnfreezeHandle(f"unfreeze {', '.join(map(repr, patterns))}")
+    handle = UnfreezeHandle(_describe("unfreeze", patterns))
     for name, param in params:
         if not param.requires_grad:
             handle._hold(name, locations[id(param)])
@@ -349,6 +350,10 @@ def unfreeze(
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _describe(function: str, patterns: tuple[Pattern, ...]) -> str:
+    return f"{function} {', '.join(map(repr, patterns))}" if patterns else f"{function} nothing"
 
 
 def _matched(

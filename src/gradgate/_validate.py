@@ -21,16 +21,17 @@ def check_choice(option: str, value: object, allowed: Iterable[object]) -> None:
 
 
 def check_patterns(
-    function: str, patterns: tuple[Any, ...], *, allow_root: bool = False
+    function: str, patterns: tuple[Any, ...], *, allow_root: bool = False, allow_none: bool = False
 ) -> tuple[Any, ...]:
-    """The patterns with integer-like block indices made ``int``; refuses none and ``''``.
+    """The patterns with integer-like block indices made ``int``; refuses ``''`` and, unless
+    ``allow_none`` (an empty set of patterns means "nothing"), no pattern at all.
 
     ``allow_root`` lets ``''`` name the model itself (where a name is a key, as in capture).
 
     >>> check_patterns("freeze", ("encoder", __import__("numpy").int64(2)))
     ('encoder', 2)
     """
-    if not patterns:
+    if not patterns and not allow_none:
         raise InvalidOptionError(
             f"{function}() got no pattern; expected at least one module or parameter name, "
             f"glob or range, e.g. {function}(model, 'encoder.layer.0'). For every module of "
