@@ -9,7 +9,9 @@ Regenerate it after changing a public name, signature or docstring summary::
 from __future__ import annotations
 
 import enum
+import importlib
 import inspect
+import pkgutil
 import re
 import sys
 import types
@@ -58,8 +60,14 @@ This page is generated from `gradgate.__all__` and the docstrings (`{REGENERATE}
 """
 
 
+# The public submodules (DESIGN section 2b); they load on first use, so they may be absent from
+# ``__all__``; documented either way.
+SUBMODULES = ("distributed", "integrations", "optim", "schedules")
+
+
 def public_names() -> list[str]:
-    return sorted(name for name in gg.__all__ if name != "__version__")
+    names = {name for name in gg.__all__ if name != "__version__"}
+    return sorted(names | {name for name in SUBMODULES if hasattr(gg, name)})
 
 
 def summary(obj: Any) -> str:
@@ -68,7 +76,7 @@ def summary(obj: Any) -> str:
     first = doc.split("\n\n")[0].strip()
     if first.startswith(">>>"):
         return ""
-    first = re.sub(r":(?:func|class|meth|mod|attr):`~?([\w.]+)`", r"`gg.\1`", first)
+    first = re.sub(r":(?:func|class|meth|mod|attr):`~?(?:gradgate\.)?([\w.]+)`", r"`gg.\1`", first)
     return " ".join(first.replace("``", "`").split())
 
 
@@ -105,16 +113,17 @@ def members(cls: type) -> Iterator[tuple[str, Any]]:
             yield name, value
 
 
-def entry(name: str, obj: Any, prefix: str = "gg.") -> list[str]:
-    """The Markdown of one public name."""
+def entry(name: str, obj: Any, prefix: str = "gg.", level: int = 3) -> list[str]:
+    """The Markdown of one public name (a submodule: its public names, one level down)."""
     qualified = f"{prefix}{name}"
-    lines = [f"### `{qualified}`", ""]
+    lines = [f"{'#' * level} `{qualified}`", ""]
     if isinstance(obj, types.ModuleType):
         lines += [summary(obj) or f"The `{qualified}` submodule.", ""]
         for member in sorted(getattr(obj, "__all__", [])):
-            member_obj = getattr(obj, member)
-            lines += [f"- `{qualified}.{member}`: {summary(member_obj)}".rstrip(": ")]
-        return [*lines, ""]
+            lines += entry(member, getattr(obj, member), f"{qualified}.", level + 1)
+        for module in submodules(obj):
+            lines += entry(module.__name__.rpartition(".")[2], module, f"{qualified}.", level + 1)
+        return lines
     if isinstance(obj, type) and issubclass(obj, BaseException):
         base = obj.__mro__[1].__name__
         return [*lines, f"*{'warning' if issubclass(obj, Warning) else 'error'}, a `{base}`*: "
@@ -135,6 +144,14 @@ def entry(name: str, obj: Any, prefix: str = "gg.") -> list[str]:
             lines.append(f"- {shown}: {summary(function)}".rstrip(": "))
         lines.append("")
     return lines
+
+
+def submodules(package: types.ModuleType) -> list[types.ModuleType]:
+    """The public modules of a package that exports no names itself (``gg.integrations``)."""
+    if getattr(package, "__all__", None) or not hasattr(package, "__path__"):
+        return []
+    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name[0] != "_")
+    return [importlib.import_module(f"{package.__name__}.{name}") for name in names]
 
 
 def render() -> str:
@@ -166,7 +183,14 @@ def test_every_public_name_has_an_entry() -> None:
 
 
 def test_every_public_name_has_a_docstring_summary() -> None:
-    assert [name for name in public_names() if not summary(getattr(gg, name))] == []
+    lacking = [name for name in public_names() if not summary(getattr(gg, name))]
+    for module in SUBMODULES:
+        if hasattr(gg, module):
+            names = getattr(getattr(gg, module), "__all__", [])
+            lacking += [
+                f"{module}.{n}" for n in names if not summary(getattr(getattr(gg, module), n))
+            ]
+    assert lacking == []
 
 
 def test_page_is_up_to_date_with_signatures_and_docstrings() -> None:
