@@ -156,3 +156,14 @@ def test_audit_html_escapes_names_and_loads_in_chromium(tmp_path: Path) -> None:
     assert "<b>evil</b>" not in page.read_text() and "&lt;b&gt;evil&lt;/b&gt;" in page.read_text()
     log, _ = open_in_chromium(page, SCREENSHOTS / "audit.png", tmp_path)
     assert [entry for entry in log if entry["level"] == "SEVERE"] == []
+
+
+def test_report_without_graphviz_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradgate._demo import _page, _scenarios
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    picture = gg.graph(net(torch.randn(1, 2)).sum(), model=net)
+    scenario = _scenarios.Scenario("q?", "code", "why", "index.md", gg.AuditReport(), picture)
+    monkeypatch.setenv("PATH", "")  # no `dot` program to be found
+    assert "apt-get install graphviz" in _page._graph_svg(picture)
+    assert _page._legend([scenario]) == ""
