@@ -154,3 +154,9 @@ def test_a_new_column_is_one_entry_in_the_records_module() -> None:
     ]  # fmt: skip
     assert {c.field for c in COLUMNS} == fields
     assert HEADERS[2:] == tuple(c.header for c in COLUMNS)
+
+
+@pytest.mark.parametrize("depth", [-1, "1", 1.5, True])
+def test_a_bad_table_depth_is_named(late_freeze_report: gg.AuditReport, depth: object) -> None:
+    with pytest.raises(gg.InvalidOptionError, match=re.escape(f"got {depth!r}; expected None")):
+        late_freeze_report.table(depth=depth)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from .._errors import AuditNotReadyError, NoBackwardWarning, warn
+from .._errors import AuditNotReadyError, InvalidOptionError, NoBackwardWarning, warn
 from .._html import page
 from .records import ModuleRecord, WastedGradient
 from .render import Figures, dumps, html_sections, loads, render_table
@@ -167,7 +167,15 @@ class AuditReport:
 
     # -- output --------------------------------------------------------------------------------
     def table(self, *, depth: int | None = None) -> str:
-        """A text table: one row per module, indented by nesting, then totals and waste."""
+        """A text table: one row per module, indented by nesting, then totals and waste;
+        ``depth`` (``0`` the model row only, ``1`` its children too, ...) limits nesting."""
+        if depth is not None and (
+            isinstance(depth, bool) or not isinstance(depth, int) or depth < 0
+        ):
+            raise InvalidOptionError(
+                f"report.table(depth=...) got {depth!r}; expected None (every module) or an "
+                "integer >= 0 (0: the model row only, 1: its children too, ...)."
+            )
         return render_table(self._done(), depth=depth)
 
     def to_json(self) -> str:
