@@ -91,8 +91,14 @@ def counting_all_reduce() -> Iterator[list[tuple[torch.dtype, int]]]:
         dist.all_reduce = original
 
 
-def gradient_bytes(calls: list[tuple[torch.dtype, int]]) -> int:
-    return sum(size for dtype, size in calls if dtype == torch.float32)
+def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tagged: bool = False) -> int:
+    """Bytes of gradient all-reduced; with ``tagged``, less each bucket's 4-byte layout tag."""
+    sizes = [size for dtype, size in calls if dtype == torch.float32]
+    return sum(sizes) - (4 * len(sizes) if tagged else 0)
+
+
+def flag_exchanges(calls: list[tuple[torch.dtype, int]]) -> int:
+    return sum(dtype == torch.uint8 for dtype, _ in calls)
 
 
 # -- scenarios, run on every rank of one process group ---------------------------------------
@@ -109,7 +115,7 @@ def ddp_with_find_unused_is_exact(rank: int, record: dict[str, Any]) -> None:
 
 
 def allreduce_trained_sends_the_trained_share(rank: int, record: dict[str, Any]) -> None:
-    for as_view in (False, True):
+    for as_view, assume in [(False, False), (True, False), (False, True), (True, True)]:
         model = make_model()
         ddp = DDP(
             model,
@@ -117,7 +123,7 @@ def allreduce_trained_sends_the_trained_share(rank: int, record: dict[str, Any])
             bucket_cap_mb=SMALL_BUCKET_MB,
             gradient_as_bucket_view=as_view,
         )
-        handle = gg.distributed.allreduce_trained(ddp)
+        handle = gg.distributed.allreduce_trained(ddp, assume_same_plan=assume)
         gate = gg.BackpropGate(model)
         shares = {}
         for step, depth in enumerate([1, 3, None, 2, 1]):
@@ -126,8 +132,10 @@ def allreduce_trained_sends_the_trained_share(rank: int, record: dict[str, Any])
             with counting_all_reduce() as calls:
                 ddp(batch(rank, step)).pow(2).sum().backward()
             trained = N_BLOCKS if depth is None else depth
-            assert gradient_bytes(calls) == trained * BLOCK_BYTES, (as_view, depth, calls)
-            shares[depth] = gradient_bytes(calls) / (N_BLOCKS * BLOCK_BYTES)
+            sent = gradient_bytes(calls, tagged=assume)
+            assert sent == trained * BLOCK_BYTES, (as_view, assume, depth, calls)
+            assert (flag_exchanges(calls) == 0) == assume, calls
+            shares[depth] = sent / (N_BLOCKS * BLOCK_BYTES)
             assert_grads(model, reference([(step, depth)]), f"view={as_view} step {step}")
         assert handle.bytes_full == 5 * N_BLOCKS * BLOCK_BYTES
         assert handle.bytes_reduced == (1 + 3 + 4 + 2 + 1) * BLOCK_BYTES
@@ -157,7 +165,7 @@ def allreduce_trained_buckets_cut_across_blocks(rank: int, record: dict[str, Any
 
 
 def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, Any]) -> None:
-    for as_view in (False, True):
+    for as_view, assume in [(False, False), (True, False), (True, True)]:
         model = make_model()
         ddp = DDP(
             model,
@@ -165,7 +173,7 @@ def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, A
             bucket_cap_mb=SMALL_BUCKET_MB,
             gradient_as_bucket_view=as_view,
         )
-        handle = gg.distributed.allreduce_trained(ddp)
+        handle = gg.distributed.allreduce_trained(ddp, assume_same_plan=assume)
         gate = gg.BackpropGate(model)
         # optimizer steps made of micro-batches with a depth each; the last one syncs
         plans = [[(0, 3), (1, 1)], [(2, 1), (3, 2)], [(4, 1), (5, 3), (6, 1)], [(7, 2)]]
@@ -178,7 +186,8 @@ def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, A
                     with nullcontext() if sync else ddp.no_sync():
                         ddp(batch(rank, step)).pow(2).sum().backward()
             deepest = max(depth for _, depth in plan)
-            assert gradient_bytes(calls) == deepest * BLOCK_BYTES, (as_view, plan, calls)
+            sent = gradient_bytes(calls, tagged=assume)
+            assert sent == deepest * BLOCK_BYTES, (as_view, plan, calls)
             assert_grads(model, reference(plan), f"view={as_view} plan {plan}")
         gate.remove()
         handle.remove()
@@ -208,6 +217,23 @@ def allreduce_trained_matches_ddp_when_ranks_differ(rank: int, record: dict[str,
             assert gradient_bytes(calls) == max(depths.values()) * BLOCK_BYTES
             handle.remove()
         gate.remove()
+
+
+def allreduce_trained_assuming_one_plan_detects_two(rank: int, record: dict[str, Any]) -> None:
+    """Same bytes, different parameters: the layout tag tells, on every rank."""
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)  # one bucket
+    gg.distributed.allreduce_trained(ddp, assume_same_plan=True)
+    gate = gg.BackpropGate(model)
+    gate.learn = {1 + rank}  # block 1 on rank 0, block 2 on rank 1: 80 bytes each
+    with pytest.raises(RuntimeError, match="the ranks all-reduced different parameters"):
+        ddp(batch(rank, 0)).pow(2).sum().backward()
+    gate.remove()
+    with pytest.raises(gg.GradgateError, match="assume_same_plan='yes'"):
+        gg.distributed.allreduce_trained(
+            DDP(make_model(), find_unused_parameters=True),
+            assume_same_plan="yes",  # type: ignore[arg-type]
+        )
 
 
 def allreduce_trained_remove_restores_full_averaging(rank: int, record: dict[str, Any]) -> None:
@@ -359,6 +385,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     allreduce_trained_buckets_cut_across_blocks,
     allreduce_trained_accumulates_different_plans,
     allreduce_trained_matches_ddp_when_ranks_differ,
+    allreduce_trained_assuming_one_plan_detects_two,
     allreduce_trained_remove_restores_full_averaging,
     plain_ddp_gets_a_clear_error,
     check_same_plan_agrees_and_disagrees,

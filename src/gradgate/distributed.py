@@ -18,6 +18,7 @@ Outside a process group every check passes, so the same script runs on one proce
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -188,7 +189,11 @@ class TrainedAllReduce(Handle):
     """
 
     def __init__(
-        self, ddp: DistributedDataParallel, process_group: dist.ProcessGroup | None
+        self,
+        ddp: DistributedDataParallel,
+        process_group: dist.ProcessGroup | None,
+        *,
+        assume_same_plan: bool = False,
     ) -> None:
         super().__init__(
             self._deactivate, description=f"trained-only all-reduce of {type(ddp.module).__name__}"
@@ -198,6 +203,7 @@ class TrainedAllReduce(Handle):
         self.bytes_reduced = 0  # bytes of gradient all-reduced by this hook so far
         self.bytes_full = 0  # bytes DDP's default hook would have all-reduced
         self.trained_only = True
+        self._tagged = assume_same_plan  # no flag exchange: a layout tag checks agreement
         self._fresh: set[int] = set()  # ids of parameters with a gradient not yet reduced
         self._hooks = self._watch(ddp)
 
@@ -226,7 +232,8 @@ class TrainedAllReduce(Handle):
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
             return done
-        single = len(stretches) == 1
+        tag = self._layout_tag(stretches, buffer) if self._tagged else None
+        single = len(stretches) == 1 and tag is None
         packed = (
             buffer[stretches[0][0] : stretches[0][1]]
             if single
@@ -234,10 +241,22 @@ class TrainedAllReduce(Handle):
         )
         packed.div_(self.world_size)
         self.bytes_reduced += packed.numel() * packed.element_size()
+        if tag is not None:
+            packed = torch.cat(
+                [packed, torch.full((1,), tag, dtype=packed.dtype, device=packed.device)]
+            )
         work = dist.all_reduce(packed, group=self.group, async_op=True)
 
         def unpack(future: torch.futures.Future[Any]) -> torch.Tensor:
             future.wait()
+            if tag is not None and packed[-1].item() != tag * self.world_size:
+                raise RankMismatchError(
+                    f"bucket {bucket.index()}: the ranks all-reduced different parameters "
+                    "(allreduce_trained(..., assume_same_plan=True) saw layout tags summing to "
+                    f"{packed[-1].item()}, expected {tag * self.world_size}); expected every "
+                    "rank's backward to reach the same parameters. Use the same plan on every "
+                    "rank (BackpropGate(..., check_ranks=True)) or assume_same_plan=False."
+                )
             if not single:
                 position = 0
                 for start, end in stretches:
@@ -247,12 +266,24 @@ class TrainedAllReduce(Handle):
 
         return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(unpack))
 
+    def _layout_tag(self, stretches: list[tuple[int, int]], buffer: torch.Tensor) -> int:
+        """A small integer naming the stretches, summed exactly in the bucket's dtype."""
+        digits = (
+            1 - round(math.log2(torch.finfo(buffer.dtype).eps))
+            if buffer.is_floating_point()
+            else 31
+        )
+        limit = max(1, 2**digits // self.world_size)
+        digest = hashlib.blake2b(repr(stretches).encode(), digest_size=8).digest()
+        return 1 + int.from_bytes(digest, "little") % limit if limit > 1 else 1
+
     def _stretches(self, bucket: GradBucket) -> list[tuple[int, int]]:
         """Runs of the bucket whose parameters got a gradient on any rank since the last sync."""
         params = bucket.parameters()
-        used = torch.tensor([id(p) in self._fresh for p in params], dtype=torch.uint8)
+        flags = [id(p) in self._fresh for p in params]
+        used = torch.tensor(flags, dtype=torch.uint8, device=bucket.buffer().device)
         self._fresh.difference_update(id(p) for p in params)
-        if self.world_size > 1:  # every rank must send the same stretches: take the union
+        if self.world_size > 1 and not self._tagged:  # same stretches on every rank: the union
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
         stretches: list[tuple[int, int]] = []
         offset = 0
@@ -277,14 +308,25 @@ class TrainedAllReduce(Handle):
 
 
 def allreduce_trained(
-    ddp_model: nn.Module, *, process_group: dist.ProcessGroup | None = None
+    ddp_model: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    assume_same_plan: bool = False,
 ) -> TrainedAllReduce:
     """Make DDP all-reduce only the parameters that got a gradient since the last sync.
 
     Registers a DDP communication hook. Each bucket sends the stretches whose parameters
     received a gradient on any rank (a one-byte-per-parameter all-reduce agrees on them), so
     the bytes per step are proportional to the trained share; gradients are the same average
-    DDP computes. Accumulation under ``no_sync`` with a different plan per micro-batch,
+    DDP computes, also when ranks train different parameters (data-dependent graphs).
+
+    ``assume_same_plan=True`` skips that agreement (one small blocking all-reduce per bucket,
+    which on a GPU also waits for the stream): every rank's backward must then reach the same
+    parameters, as with one plan per step (``BackpropGate(..., check_ranks=True)``) and no
+    data-dependent branches. One extra element per bucket, a tag of its layout, turns a
+    disagreement into :class:`~gradgate.RankMismatchError` rather than a wrong average.
+
+    Accumulation under ``no_sync`` with a different plan per micro-batch,
     ``gradient_as_bucket_view=True`` and buckets that cut across blocks are handled. Needs
     ``find_unused_parameters=True``. ``handle.bytes_reduced`` / ``handle.bytes_full`` count
     what was sent against what plain DDP sends; ``handle.remove()`` restores full averaging.
@@ -307,7 +349,9 @@ def allreduce_trained(
             f"allreduce_trained is already active on this model ({previous!r}); expected "
             "one per model. Keep the first handle, or call handle.remove() first."
         )
-    handle = TrainedAllReduce(ddp_model, process_group)
+    if not isinstance(assume_same_plan, bool):
+        raise GradgateError(f"assume_same_plan={assume_same_plan!r}; expected True or False.")
+    handle = TrainedAllReduce(ddp_model, process_group, assume_same_plan=assume_same_plan)
     setattr(ddp_model, _STATE_ATTRIBUTE, handle)
     if previous is None:  # DDP takes one comm hook for its lifetime; later handles reuse it
         ddp_model.register_comm_hook(ddp_model, _reduce_bucket)
