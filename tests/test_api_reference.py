@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import gradgate as gg
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
@@ -193,6 +195,7 @@ def test_every_public_name_has_a_docstring_summary() -> None:
     assert lacking == []
 
 
+@pytest.mark.slow  # imports the integrations (transformers, Lightning): seconds
 def test_page_is_up_to_date_with_signatures_and_docstrings() -> None:
     assert PAGE.read_text() == render(), f"docs/api.md is out of date; regenerate it: {REGENERATE}"
 

@@ -62,14 +62,37 @@ CLAIMS = {
         "encoder gradient zeroed per step: [True, False, True, False]",
         "identical to the hand-written loop: True",
     ],
+    "dropbp_gpt2.py": [
+        "gradients equal the hand-written DropBP reference: True",
+        "3 of 6 blocks skipped: backward FLOPs",
+    ],
+    "lisa_llama.py": [
+        "only the drawn layers moved, the others bit-identical: True",
+        "embeddings learn: True",
+        "backward FLOPs of a LISA step vs full backprop:",
+    ],
+    "gradual_unfreeze_lightning.py": [
+        "depth logged per optimizer step: [1, 1, 2, 2, 3, 3, 4, 4]",
+        "matches the schedule: True",
+        "blocks outside the suffix bit-identical: True",
+    ],
 }
+# Examples that build a transformers or Lightning model take seconds: run by CI, skipped by
+# the quick run `python -m pytest -m "not slow"`.
+SLOW = {"dropbp_gpt2.py", "lisa_llama.py", "gradual_unfreeze_lightning.py"}
 
 
 def test_every_example_is_tested() -> None:
     assert sorted(path.name for path in EXAMPLES.glob("*.py")) == sorted(CLAIMS)
 
 
-@pytest.mark.parametrize("name", sorted(CLAIMS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+        for name in sorted(CLAIMS)
+    ],
+)
 def test_example_prints_its_claims(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     printed = capsys.readouterr().out
