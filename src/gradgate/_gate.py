@@ -170,8 +170,11 @@ class _Cut(Handle):
         if frame is None:
             return
         never_opened = frame.blocking and not frame.opened and frame.grad_before
+        nothing_learns = (
+            frame.blocking and frame.opened and frame.grad_before and not _has_graph(output)
+        )
         _close_frame(frame)
-        self._warn_after_forward(frame, never_opened)
+        self._warn_after_forward(frame, never_opened, nothing_learns)
 
     # -- block hooks ---------------------------------------------------------------------------
     def _enter_block(self, position: int, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -297,13 +300,22 @@ class _Cut(Handle):
         return changed
 
     # -- diagnostics ---------------------------------------------------------------------------
-    def _warn_after_forward(self, frame: _Frame, never_opened: bool) -> None:
+    def _warn_after_forward(self, frame: _Frame, never_opened: bool, nothing_learns: bool) -> None:
         if never_opened:
+            warn(  # every time: it is about this step
+                "the cut never opened in this forward, so nothing in it learns: no learning "
+                "block ran (LayerDrop skipped every block of the stack, or the plan names blocks "
+                "that did not run). Lower the layerdrop probability, or choose a plan with a "
+                "block that always runs.",
+                BlockCallWarning,
+            )
+        if nothing_learns:
             self._warn_once(
-                "never-opened",
-                "no learning block ran in this forward, so nothing in it learned (blocks "
-                "skipped by LayerDrop, or a plan that selects no block that runs). Lower the "
-                "layerdrop probability or choose a plan with a block that always runs.",
+                "nothing-learns",
+                "nothing that runs after the cut has trainable parameters (all require_grad="
+                "False, e.g. a frozen head with adapters only in cut-off blocks), so the output "
+                "has no graph and backward would fail. Choose a larger depth, or unfreeze a "
+                "module after the cut.",
             )
         straddling = [i for i, when in frame.shared_uses.items() if when == {False, True}]
         if straddling and "shared" not in self._warned:
@@ -621,6 +633,11 @@ def _require_a_forward(model: nn.Module) -> None:
             "run. Gate the model that calls it, e.g. gg.BackpropGate(model) or "
             "gg.BackpropGate(model, blocks='transformer.h.*')."
         )
+
+
+def _has_graph(output: Any) -> bool:
+    tensors = tensors_in(output)
+    return not tensors or any(t.requires_grad for t in tensors)
 
 
 def _freeze_for_call(module: nn.Module) -> list[nn.Parameter]:

@@ -52,7 +52,9 @@ def blocks(model: nn.Module) -> list[str]:
         and _disjoint(names, best)
     ]
     if rivals:
-        raise AmbiguousBlocksError(_ambiguous_message(model, [best, *rivals]))
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        stacks = sorted([best, *rivals], key=lambda names: order[names[0]])
+        raise AmbiguousBlocksError(_ambiguous_message(model, stacks))
     return best
 
 
@@ -253,9 +255,24 @@ def _candidates(model: nn.Module) -> Iterable[tuple[str, list[tuple[str, nn.Modu
             if item is not None and run and type(item[1]) is type(run[-1][1]):
                 run.append(item)
                 continue
-            if len(run) >= 2 and any(True for _ in run[0][1].children()):
+            if len(run) >= 2 and _is_run_member(run[0][1]):
                 yield owner, run
             run = [item] if item is not None else []
+
+
+def _is_run_member(module: nn.Module) -> bool:
+    """A composite module with a forward that is not itself a stack holder (T5's encoder)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(
+        True for _ in module.children()
+    ):
+        return False
+    if isinstance(module, nn.Sequential):
+        return True  # a CNN stage
+    return not any(
+        isinstance(inner, (nn.ModuleList, nn.Sequential))
+        and sum(1 for c in inner.children() if any(True for _ in c.parameters())) >= 2
+        for inner in module.modules()
+    )
 
 
 def _score(members: list[tuple[str, nn.Module]]) -> tuple[int, int, int, int]:
