@@ -69,6 +69,7 @@ class _Frame:
     opened: bool = False
     tentative: int | None = None  # opened after this block; a later non-learner closes again
     last_position: int = -1
+    ran: set[int] = field(default_factory=set)
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     skipped: dict[int, bool] = field(default_factory=dict)
     block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
@@ -182,7 +183,7 @@ class _Cut(Handle):
         if frame is None:
             self._warn_outside_call(position)
             return
-        if position < frame.last_position:
+        if position < frame.last_position and position not in frame.ran:
             self._warn_once(
                 "order",
                 f"block {self._points[position][0]!r} ran after "
@@ -192,6 +193,7 @@ class _Cut(Handle):
                 "blocks=[...] in the order they run if that is what you meant.",
             )
         frame.last_position = max(frame.last_position, position)
+        frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
             if learns:
