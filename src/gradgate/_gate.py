@@ -73,6 +73,7 @@ class _Frame:
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     skipped: dict[int, bool] = field(default_factory=dict)
     block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
+    explained: bool = False  # a warning already said why the output may have no graph
     shared_uses: dict[int, set[bool]] = field(default_factory=dict)
 
 
@@ -172,7 +173,11 @@ class _Cut(Handle):
             return
         never_opened = frame.blocking and not frame.opened and frame.grad_before
         nothing_learns = (
-            frame.blocking and frame.opened and frame.grad_before and not _has_graph(output)
+            frame.blocking
+            and frame.opened
+            and not frame.explained
+            and torch.is_grad_enabled()  # else reentrant checkpointing lost it: warned below
+            and not _has_graph(output)
         )
         _close_frame(frame)
         self._warn_after_forward(frame, never_opened, nothing_learns)
@@ -224,7 +229,7 @@ class _Cut(Handle):
             torch.set_grad_enabled(frame.skipped.pop(position))
             output = _pass_around(self._points[position][0], args, kwargs, output)
         elif frame.opened and self._learn is not None and position in self._learn:
-            _check_block_output_learns(self._points[position][0], module, output)
+            frame.explained |= _check_block_output_learns(self._points[position][0], module, output)
         if frame.blocking and not frame.opened and self._opens_after(position):
             frame.tentative = position
             self._open(frame)
@@ -253,8 +258,9 @@ class _Cut(Handle):
         """
         learn = self._learn
         assert learn is not None
-        first = min(learn) if learn else len(self._points) - 1
-        return position not in learn and self._stacks[position] == self._stacks[first]
+        opening = learn - self._skip
+        first = min(opening) if opening else len(self._points) - 1
+        return position not in opening and self._stacks[position] == self._stacks[first]
 
     def _open(self, frame: _Frame) -> None:
         if not frame.blocking or frame.opened:
@@ -314,10 +320,10 @@ class _Cut(Handle):
         if nothing_learns:
             self._warn_once(
                 "nothing-learns",
-                "nothing that runs after the cut has trainable parameters (all require_grad="
-                "False, e.g. a frozen head with adapters only in cut-off blocks), so the output "
-                "has no graph and backward would fail. Choose a larger depth, or unfreeze a "
-                "module after the cut.",
+                "nothing that runs after the cut has trainable parameters (nothing runs after "
+                "the last block, or all of it has requires_grad=False, e.g. a frozen head with "
+                "adapters only in cut-off blocks), so the output has no graph and backward "
+                "would fail. Choose a larger depth, or unfreeze a module after the cut.",
             )
         straddling = [i for i, when in frame.shared_uses.items() if when == {False, True}]
         if straddling and "shared" not in self._warned:
@@ -697,11 +703,11 @@ def _shared_parameter_owners(model: nn.Module) -> list[tuple[nn.Parameter, list[
     return [(param, mods) for param, mods in owners.values() if len(mods) > 1]
 
 
-def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> None:
-    """Warn when a learning block has trainable parameters but its output has no graph."""
+def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> bool:
+    """Warn (and say so) when a learning block has trainable parameters but no output graph."""
     tensors = tensors_in(output)
     if not torch.is_grad_enabled() or not tensors or any(t.requires_grad for t in tensors):
-        return
+        return False
     if any(p.requires_grad for p in block.parameters()):
         warn(
             f"the learning block {name!r} has trainable parameters but its output does not "
@@ -710,6 +716,8 @@ def _check_block_output_learns(name: str, block: nn.Module, output: Any) -> None
             "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
             CheckpointAfterCutWarning,
         )
+        return True
+    return False
 
 
 def _warn_lost_grad_mode() -> None:
