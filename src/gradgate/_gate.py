@@ -341,6 +341,8 @@ class _Cut(Handle):
     def _warn_outside_call(self, position: int) -> None:
         if self._learn is None or not torch.is_grad_enabled() or _grad_held_off():
             return
+        if torch._C._current_autograd_node() is not None:
+            return  # activation checkpointing recomputing the block during backward
         self._warn_once(
             "outside",
             f"block {self._points[position][0]!r} ran outside a call of the gated "
