@@ -8,12 +8,11 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from ._errors import AmbiguousNameError, NoBlocksError, UnknownModuleError
+from ._errors import AmbiguousBlocksError, AmbiguousNameError, NoBlocksError, UnknownModuleError
 
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")
@@ -23,28 +22,49 @@ _GLOB_CHARS = set("*?[")
 def blocks(model: nn.Module) -> list[str]:
     """Qualified names of the model's main repeated block sequence, in order.
 
-    The sequence is the container (``nn.ModuleList`` / ``nn.Sequential``) or the run of
-    consecutive same-class children whose repeated elements hold the most parameters;
-    repeated composite blocks (a transformer layer, a CNN stage) win over repeated leaves.
+    The sequence is an ``nn.ModuleList`` / ``nn.Sequential`` (its members with parameters), or
+    a run of consecutive same-class composite children (CNN stages), holding the most
+    parameters. Two or more comparable stacks that do not contain each other (encoder and
+    decoder, two towers) raise :class:`AmbiguousBlocksError` with a ``blocks=`` line to paste.
 
     >>> import gradgate as gg
     >>> from torch import nn
     >>> gg.blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
-    ['0', '1', '2']
+    ['0', '2']
     """
-    best: tuple[tuple[int, int, int, int], list[str]] | None = None
-    for owner, members in _candidate_sequences(model):
-        score = _score(owner, [module for _, module in members])
-        if score is not None and (best is None or score > best[0]):
-            best = (score, [name for name, _ in members])
-    if best is None:
-        raise NoBlocksError(
-            f"found no repeated block sequence in {type(model).__name__}: no nn.ModuleList, "
-            "nn.Sequential or run of same-class children holds two or more blocks with "
-            "parameters. Pass the blocks explicitly, e.g. blocks=['encoder.0', 'encoder.1'] "
-            "or blocks='encoder.*'."
+    check_module(model)
+    scored = sorted(
+        (
+            (_score(members), owner, [n for n, _ in members])
+            for owner, members in _candidates(model)
+        ),
+        key=lambda item: item[0],
+        reverse=True,
+    )
+    if not scored:
+        raise NoBlocksError(_no_blocks_message(model))
+    best_score, _, best = scored[0]
+    rivals = [
+        names
+        for score, _, names in scored[1:]
+        if score[0] == best_score[0] == 1
+        and 3 * score[1] >= best_score[1]
+        and _disjoint(names, best)
+    ]
+    if rivals:
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        stacks = sorted([best, *rivals], key=lambda names: order[names[0]])
+        raise AmbiguousBlocksError(_ambiguous_message(model, stacks))
+    return best
+
+
+def check_module(model: object) -> None:
+    """Raise unless ``model`` is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise UnknownModuleError(
+            f"expected a torch.nn.Module, got {type(model).__name__} ({model!r:.60}). Pass the "
+            "model itself (for a DDP or compiled model, the wrapper or its .module both work)."
         )
-    return best[1]
 
 
 def select(model: nn.Module, *patterns: Pattern) -> list[str]:
@@ -218,41 +238,90 @@ def _unknown_message(model: nn.Module, pattern: str, include_parameters: bool) -
     )
 
 
-def _candidate_sequences(
-    model: nn.Module,
-) -> Iterable[tuple[str, list[tuple[str, nn.Module]]]]:
+def _candidates(model: nn.Module) -> Iterable[tuple[str, list[tuple[str, nn.Module]]]]:
+    """Repeated sequences: container members, or runs of same-class composite children."""
     for owner, module in model.named_modules():
         children = [
-            (f"{owner}.{name}" if owner else name, child) for name, child in module.named_children()
+            (f"{owner}.{name}" if owner else name, child)
+            for name, child in module.named_children()
+            if any(True for _ in child.parameters())
         ]
         if isinstance(module, (nn.Sequential, nn.ModuleList)):
-            yield owner, children
+            if len(children) >= 2:
+                yield owner, children
             continue
         run: list[tuple[str, nn.Module]] = []
         for item in [*children, None]:
             if item is not None and run and type(item[1]) is type(run[-1][1]):
                 run.append(item)
                 continue
-            if len(run) >= 2:
+            if len(run) >= 2 and _is_run_member(run[0][1]):
                 yield owner, run
             run = [item] if item is not None else []
 
 
-def _score(owner: str, members: list[nn.Module]) -> tuple[int, int, int, int] | None:
-    if len(members) < 2:
-        return None
-    shapes = Counter(_structure(member) for member in members)
-    common, count = shapes.most_common(1)[0]
-    if count < 2:
-        return None
-    repeated = [m for m in members if _structure(m) == common]
-    covered = sum(p.numel() for m in repeated for p in m.parameters())
-    if covered == 0:
-        return None
-    composite = int(any(True for _ in repeated[0].children()))
-    depth = owner.count(".") + (1 if owner else 0)
-    return composite, covered, count, -depth
+def _is_run_member(module: nn.Module) -> bool:
+    """A composite module with a forward that is not itself a stack holder (T5's encoder)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(
+        True for _ in module.children()
+    ):
+        return False
+    if isinstance(module, nn.Sequential):
+        return True  # a CNN stage
+    return not any(
+        isinstance(inner, (nn.ModuleList, nn.Sequential))
+        and sum(1 for c in inner.children() if any(True for _ in c.parameters())) >= 2
+        for inner in module.modules()
+    )
 
 
-def _structure(module: nn.Module) -> tuple[object, ...]:
-    return (type(module), tuple((n, _structure(c)) for n, c in module.named_children()))
+def _score(members: list[tuple[str, nn.Module]]) -> tuple[int, int, int, int]:
+    """Composite blocks first, then parameters covered, then count, then the outermost."""
+    composite = int(all(any(True for _ in m.children()) for _, m in members))
+    covered = sum(p.numel() for _, m in members for p in m.parameters())
+    depth = members[0][0].count(".")
+    return composite, covered, len(members), -depth
+
+
+def _disjoint(names: list[str], others: list[str]) -> bool:
+    """Neither sequence lies inside (or overlaps) a member of the other."""
+
+    def inside(name: str, group: list[str]) -> bool:
+        return any(name == g or name.startswith(f"{g}.") or g.startswith(f"{name}.") for g in group)
+
+    return not any(inside(n, others) for n in names)
+
+
+def _pattern_for(names: list[str]) -> str:
+    owner = names[0].rpartition(".")[0]
+    if all(n.rpartition(".")[0] == owner for n in names) and owner:
+        return f"{owner}.*" if len(names) > 1 else names[0]
+    return ", ".join(repr(n) for n in names)
+
+
+def _ambiguous_message(model: nn.Module, stacks: list[list[str]]) -> str:
+    listed = "; ".join(f"{_pattern_for(s)} ({len(s)} blocks)" for s in stacks)
+    paste = ", ".join(repr(_pattern_for(s)) for s in stacks)
+    return (
+        f"{type(model).__name__} has {len(stacks)} comparable block stacks: {listed}. gradgate "
+        "does not guess which one depth counts over. Pass them in the order your model runs "
+        f"them, e.g. blocks=[{paste}] (both stacks, depth counts from the end of the last), or "
+        "just one of them."
+    )
+
+
+def _no_blocks_message(model: nn.Module) -> str:
+    module, prefix = model, ""
+    while True:
+        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(children) != 1:
+            break
+        prefix = f"{prefix}{children[0][0]}."
+        module = children[0][1]
+    names = [f"{prefix}{n}" for n, _ in children][:3]
+    example = f"blocks={names!r}" if names else "blocks=['<module name>', ...]"
+    return (
+        f"found no repeated block sequence in {type(model).__name__}: no nn.ModuleList, "
+        "nn.Sequential or run of same-class children holds two or more blocks with parameters. "
+        f"Pass the blocks explicitly, in the order they run, e.g. {example}."
+    )

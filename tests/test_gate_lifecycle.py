@@ -1,0 +1,176 @@
+"""The gate leaves no trace: Ctrl-C, SystemExit, threads, copies, pickling, warnings as errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+from models import gpt2
+from torch import nn
+
+import gradgate as gg
+
+
+class Interrupt(nn.Module):
+    """A block that raises ``exc`` when armed (a user pressing Ctrl-C mid-forward)."""
+
+    def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.exc: type[BaseException] | None = None
+        self.raises = exc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exc is not None:
+            raise self.exc()
+        return self.fc(x)
+
+
+def _model(exc: type[BaseException] = KeyboardInterrupt) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), Interrupt(exc), nn.Linear(3, 3), nn.Linear(3, 1))
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def _learners(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_in_a_gated_context_leaves_no_trace(exc: type[BaseException]) -> None:
+    model = _model(exc)
+    model[1].exc = exc
+    with pytest.raises(exc), gg.backprop_depth(model, 1):
+        model(torch.randn(2, 3))
+    assert torch.is_grad_enabled()
+    assert all(p.requires_grad for p in model.parameters())
+    assert _no_hooks(model)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_with_a_long_lived_gate_does_not_poison_the_thread(
+    exc: type[BaseException],
+) -> None:
+    model = _model(exc)
+    gate = gg.BackpropGate(model, depth=1)
+    model[1].exc = exc
+    with pytest.raises(exc):
+        model(torch.randn(2, 3))
+    model[1].exc = None
+    torch.set_grad_enabled(True)  # what a notebook user does next, if anything
+    model(torch.randn(2, 3)).sum().backward()
+    assert _learners(model) == ["3.weight", "3.bias"]
+    other = _model()
+    with gg.backprop_depth(other, 2):
+        other(torch.randn(2, 3)).sum().backward()
+    assert _learners(other) == ["2.weight", "2.bias", "3.weight", "3.bias"]
+    plain = nn.Linear(3, 1)
+    assert plain(torch.randn(2, 3)).requires_grad
+    gate.remove()
+    assert _no_hooks(model) and torch.is_grad_enabled()
+
+
+def test_interrupt_in_a_block_frozen_for_its_call_restores_requires_grad() -> None:
+    class Twice(nn.Module):  # the first block runs again after the cut: frozen for that call
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Interrupt(KeyboardInterrupt), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.b(self.a(x))
+            self.a.exc = self.a.raises if self.a.exc is None and self.armed else None
+            return self.a(x)
+
+    model = Twice()
+    model.armed = True
+    with pytest.raises(KeyboardInterrupt), gg.backprop_depth(model, 1, ["a", "b"]):
+        model(torch.randn(2, 3))
+    assert all(p.requires_grad for p in model.parameters())
+    assert torch.is_grad_enabled() and _no_hooks(model)
+
+
+def test_two_threads_forwarding_one_gated_model_each_get_their_graph() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    barrier = threading.Barrier(2, timeout=10)
+    model[1].register_forward_pre_hook(lambda m, a: (barrier.wait(), None)[1])  # both inside
+    x = {name: torch.randn(3, 4) for name in ("a", "b")}
+    expected = {}
+    for name, batch in x.items():
+        ref = copy.deepcopy(model)
+        ref[1]._forward_pre_hooks.clear()
+        out = ref(batch).sum()
+        expected[name] = torch.autograd.grad(out, [ref[2].weight, ref[3].weight])
+    gate = gg.BackpropGate(model, depth=2)
+    results: dict[str, object] = {}
+
+    def work(name: str) -> None:
+        try:
+            out = model(x[name]).sum()
+            params = [model[2].weight, model[3].weight]
+            results[name] = (torch.autograd.grad(out, params), torch.is_grad_enabled())
+        except BaseException as error:  # reported to the main thread
+            results[name] = error
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in x]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gate.remove()
+    for name in x:
+        grads, grad_mode = results[name]  # type: ignore[misc]
+        assert grad_mode
+        for got, want in zip(grads, expected[name], strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_gated_model_is_a_plain_model(how: str) -> None:
+    model = _model()
+    gate = gg.BackpropGate(model, depth=1)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    twin(torch.randn(2, 3)).sum().backward()
+    assert len(_learners(twin)) == len(list(twin.parameters()))  # full backprop: no gate
+    assert _no_hooks(twin)  # the copied hooks removed themselves
+    model(torch.randn(2, 3)).sum().backward()
+    assert _learners(model) == ["3.weight", "3.bias"]  # the original keeps its gate
+    gate.remove()
+    assert _no_hooks(model)
+
+
+def test_warnings_as_errors_leave_no_half_applied_cut() -> None:
+    model, batch, loss_fn = gpt2(tied=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gate = gg.backprop_depth(model, 1)  # nothing is warned while hooks go on
+        with pytest.raises(gg.SharedParameterWarning), gate:
+            loss_fn(model, batch)
+    assert torch.is_grad_enabled() and _no_hooks(model)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_removed_gate_refuses_a_new_plan() -> None:
+    model = _model()
+    gate = gg.BackpropGate(model, depth=1)
+    gate.remove()
+    for field, value in [("depth", 2), ("learn", {1}), ("skip", {1})]:
+        with pytest.raises(gg.GradgateError, match="was removed; its plan cannot change"):
+            setattr(gate, field, value)
+    assert "removed" in repr(gate)

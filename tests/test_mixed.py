@@ -1,0 +1,117 @@
+"""The cut under autocast and activation checkpointing: never more memory than the plain idioms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from measure import forward_and_backward
+from models import gpt2
+from torch import nn
+
+import gradgate as gg
+
+
+def test_autocast_does_not_cache_prefix_weight_copies() -> None:
+    # Autocast keeps a low-precision copy of each leaf weight that requires grad until the
+    # autocast region ends, even under no_grad: the prefix must not feed that cache.
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    seen = []
+    for block in model:
+        block.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_cache_enabled()))
+    with torch.autocast("cpu", dtype=torch.bfloat16), gg.backprop_depth(model, 1):
+        model(torch.randn(2, 8)).float().sum().backward()
+    assert seen == [False, False, False, True]
+    assert torch.is_autocast_cache_enabled()
+    assert model[3].weight.grad is not None and model[2].weight.grad is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_autocast_peak_memory_is_at_most_the_toggle_idiom_on_cuda() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(48)]).cuda()
+    x = torch.randn(64, 1024, device="cuda")
+
+    def peak(step) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated()
+
+    def gated() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16), gg.backprop_depth(model, 1):
+            loss = model(x).float().sum()
+        loss.backward()
+
+    def toggled() -> None:
+        for layer in model[:-1]:
+            layer.requires_grad_(False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+        model.requires_grad_(True)
+
+    gated(), toggled()  # warm-up
+    assert peak(gated) <= peak(toggled)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_hf_gradient_checkpointing_covers_every_learning_block(depth: int) -> None:
+    model, batch, loss_fn = gpt2(layers=4)
+    non_reentrant = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+    model.train()
+    reference = copy.deepcopy(model)
+    named = dict(reference.named_parameters())
+    full = torch.autograd.grad(loss_fn(reference, batch), list(named.values()))
+    with gg.backprop_depth(model, depth):
+        gated_saved, _ = forward_and_backward(lambda: loss_fn(model, batch))
+    learners = {f"transformer.h.{i}." for i in range(4 - depth, 4)} | {"transformer.ln_f.", "lm_head."}
+    frozen = [n for n in named if not n.startswith(tuple(learners))]
+    with gg.frozen(model, *frozen):  # the toggle idiom: every block checkpointed
+        toggled_saved, _ = forward_and_backward(lambda: loss_fn(model, batch))
+    assert gated_saved <= toggled_saved  # the learning blocks are checkpointed too
+    model.zero_grad(set_to_none=True)
+    with gg.backprop_depth(model, depth):
+        loss_fn(model, batch).backward()
+    for (name, param), expected in zip(model.named_parameters(), full, strict=True):
+        if name.startswith(tuple(learners)):
+            torch.testing.assert_close(param.grad, expected, msg=name)
+        else:
+            assert param.grad is None, name
+
+
+class LoopCheckpointed(nn.Module):
+    """transformers 4.x style: the model's loop calls checkpoint(layer, ...) around each call."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(n)
+        )
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_checkpoint_called_around_the_block_still_checkpoints_every_learner(depth: int) -> None:
+    torch.manual_seed(0)
+    model, x = LoopCheckpointed(), torch.randn(8, 4)
+    with gg.backprop_depth(model, depth):
+        gated_saved, gated_flops = forward_and_backward(lambda: model(x).sum())
+    prefix = [f"layers.{i}" for i in range(4 - depth)] + ["embed"]
+    with gg.frozen(model, *prefix):
+        toggled_saved, _ = forward_and_backward(lambda: model(x).sum())
+    assert gated_saved <= toggled_saved

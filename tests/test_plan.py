@@ -1,0 +1,160 @@
+"""Any set of blocks learns (``gate.learn``), and residual blocks skip backward (``gate.skip``).
+
+References are written by hand with plain autograd: the prefix under ``torch.no_grad``,
+non-learning blocks after the cut with ``requires_grad=False``, skipped blocks as
+``x + f(x).detach()`` (DropBP).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from measure import forward_and_backward
+from models import gpt2
+from torch import nn
+
+import gradgate as gg
+
+N = 5
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 6)
+        self.blocks = nn.ModuleList(Residual() for _ in range(N))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _ideal(model: Net, x: torch.Tensor, learn: set[int], skip: set[int]) -> torch.Tensor:
+    """The plan written by hand."""
+    opened = sorted(learn - skip)
+    first = opened[0] if opened else N
+    with torch.no_grad():
+        h = model.embed(x)
+        for block in model.blocks[:first]:
+            h = block(h)
+    for i in range(first, N):
+        block = model.blocks[i]
+        if i in skip:  # DropBP: x + f(x).detach(), with f run without a graph at all
+            with torch.no_grad():
+                fh = block.f(h)
+            h = h + fh
+        elif i in learn:
+            h = block(h)
+        else:
+            block.requires_grad_(False)
+            h = block(h)
+            block.requires_grad_(True)
+    return model.head(h).pow(2).sum()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    learn=st.sets(st.integers(0, N - 1)),
+    skip=st.sets(st.integers(0, N - 1)),
+    seed=st.integers(0, 2**16),
+)
+def test_any_learn_and_skip_plan_equals_the_hand_written_reference(
+    learn: set[int], skip: set[int], seed: int
+) -> None:
+    torch.manual_seed(seed)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    _ideal(reference, x, learn, skip).backward()
+    gate = gg.BackpropGate(model)
+    gate.learn, gate.skip = learn, skip
+    model(x).pow(2).sum().backward()
+    gate.remove()
+    got, want = _grads(model), _grads(reference)
+    assert {n for n, g in got.items() if g is not None} == {n for n, g in want.items() if g is not None}
+    for name, grad in got.items():
+        if grad is not None:
+            torch.testing.assert_close(grad, want[name], msg=name)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize(("learn", "skip"), [({1, 3}, set()), ({0, 4}, {2}), (set(), {3}), ({2}, {2, 4})])
+def test_plans_cost_what_the_hand_written_ideal_costs(learn: set[int], skip: set[int]) -> None:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 3)
+    gate = gg.BackpropGate(model)
+    gate.learn, gate.skip = learn, skip
+    gated = forward_and_backward(lambda: model(x).pow(2).sum())
+    gate.remove()
+    assert gated == forward_and_backward(lambda: _ideal(model, x, learn, skip))
+    full = forward_and_backward(lambda: model(x).pow(2).sum())
+    assert gated[0] < full[0] and gated[1] < full[1]
+
+
+def test_learn_on_a_real_gpt2_with_a_module_name() -> None:
+    model, batch, loss_fn = gpt2(layers=4)
+    reference = copy.deepcopy(model)
+    named = dict(reference.named_parameters())
+    full = dict(zip(named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True))
+    gate = gg.BackpropGate(model)
+    gate.learn = {"transformer.wte", 2}
+    assert gate.learn == frozenset({2, "transformer.wte"}) and gate.depth is None
+    loss_fn(model, batch).backward()
+    learned = {n for n, p in model.named_parameters() if p.grad is not None}
+    blocks_learning = {n.split(".")[2] for n in learned if n.startswith("transformer.h.")}
+    assert blocks_learning == {"2"}
+    assert {"transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"} <= learned
+    for name in learned:
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, full[name], msg=name)
+    gate.depth = 1  # a depth replaces the learning set
+    assert gate.learn is None
+    gate.remove()
+
+
+def test_skipping_a_block_that_changes_shape_raises() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 1))
+    gate = gg.BackpropGate(model, depth=3)
+    gate.skip = {1}
+    with pytest.raises(gg.BlockCallError, match=r"block '1' cannot be skipped: its output shape"):
+        model(torch.randn(2, 3))
+    gate.remove()
+    assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("learn", {7}, "learn contains block position 7, out of range"),
+        ("learn", {1.5}, "learn contains 1.5 (float)"),
+        ("learn", {"nope"}, "'nope' matches no module"),
+        ("skip", {"blocks.1"}, "skip contains 'blocks.1' (str)"),
+        ("learn", 3.0, "learn=3.0 is not a set"),
+    ],
+)
+def test_bad_plans_are_rejected_and_the_plan_is_unchanged(field: str, value: object, message: str) -> None:
+    gate = gg.BackpropGate(Net(), depth=2)
+    with pytest.raises(gg.GradgateError, match=re.escape(message)):
+        setattr(gate, field, value)
+    assert gate.depth == 2 and gate.skip == frozenset()
+    gate.remove()
