@@ -80,9 +80,14 @@ def test_parser_pairs_blocks_with_output() -> None:
     assert (second.code, second.expected) == ("a = 2\n", None)
 
 
-# Pages whose code takes seconds (torch.compile, a DDP process group, the audit tour): run by CI,
+# Pages whose code takes seconds (torch.compile, DDP, the audit tour, Lightning): run by CI,
 # skipped by the quick run `python -m pytest -m "not slow"`.
-SLOW_PAGES = {"audit.md", "performance.md", "questions/backprop-last-k-layers.md"}
+SLOW_PAGES = {
+    "audit.md",
+    "performance.md",
+    "questions/backprop-last-k-layers.md",
+    "schedules.md",
+}
 
 
 def _param(page: Path) -> object:
