@@ -132,15 +132,17 @@ def _wait(work: Any, timeout: float, *, what: str) -> None:
 
 
 # -- DDP set-up -------------------------------------------------------------------------------
-def require_find_unused_parameters(model: nn.Module) -> None:
+def require_find_unused_parameters(model: nn.Module | None) -> None:
     """Raise a clear error if ``model`` is a DDP wrapper that cannot skip parameters.
 
     A cut gives the parameters before it no gradient. Plain DDP then waits for them forever and
     fails at the next step with "Expected to have finished reduction in the prior iteration".
     DDP cannot switch ``find_unused_parameters`` on after it was built, so this raises before
-    the first step. A model that is not DDP passes.
+    the first step. A model that is not DDP passes, and so does ``None``, so that a gate on the
+    inner model can pass ``calling_ddp()`` from its first forward.
 
     >>> require_find_unused_parameters(torch.nn.Linear(2, 2))   # not DDP: fine
+    >>> require_find_unused_parameters(calling_ddp())          # not inside a DDP forward
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -167,7 +169,15 @@ def require_find_unused_parameters(model: nn.Module) -> None:
 
 
 def calling_ddp() -> DistributedDataParallel | None:
-    """The DDP wrapper whose forward is running in this thread, if any (for a gate's check)."""
+    """The DDP wrapper whose forward is running in this thread, if any.
+
+    A gate is usually made on the inner model (``BackpropGate(ddp.module)``), which does not
+    know its wrapper; from inside its forward this finds it (walks the Python stack: call it
+    once per gate, not every step).
+
+    >>> calling_ddp() is None
+    True
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     frame = sys._getframe(1)
