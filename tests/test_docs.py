@@ -84,6 +84,7 @@ def test_parser_pairs_blocks_with_output() -> None:
 # skipped by the quick run `python -m pytest -m "not slow"`.
 SLOW_PAGES = {
     "audit.md",
+    "distributed.md",
     "performance.md",
     "questions/backprop-last-k-layers.md",
     "schedules.md",
