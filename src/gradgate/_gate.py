@@ -106,6 +106,13 @@ class _Cut(Handle):
         self._warned: set[str] = set()
         self._stacks = [name.rpartition(".")[0] for name, _ in points]
         self._shared = _shared_parameter_owners(model)
+        self._ddp_checked = not _distributed_running()
+        if not self._ddp_checked:
+            from .distributed import require_find_unused_parameters
+
+            require_find_unused_parameters(model)
+        self._fsdp_restore: Any = None
+        self._fsdp = any(hasattr(m, "set_unshard_in_backward") for _, m in points)
         self._hooks = HookSet()
         self._hooks.pre(model, GateHook(self, "_enter_root"), prepend=True)
         self._hooks.post(model, GateHook(self, "_exit_root"), always_call=True)
@@ -129,6 +136,23 @@ class _Cut(Handle):
             for module in extra:
                 self._extra_hooks.pre(module, GateHook(self, "_enter_extra"))
         self._learn, self._extra = learn, extra
+        self._apply_to_fsdp()
+
+    def _apply_to_fsdp(self) -> None:
+        """FSDP2: no all-gather in backward for blocks that backward does not run through."""
+        if not self._fsdp:
+            return
+        from .distributed import apply_plan_to_fsdp
+
+        if self._fsdp_restore is not None:
+            self._fsdp_restore()
+        opening = (self._learn or frozenset()) - self._skip
+        first = min(opening) if opening else len(self._points)
+        in_backward = [
+            self._learn is None or (p >= first and p not in self._skip)
+            for p in range(len(self._points))
+        ]
+        self._fsdp_restore = apply_plan_to_fsdp([m for _, m in self._points], in_backward)
 
     def _plan_key(self) -> tuple[int, ...]:
         learn = (-1,) if self._learn is None else tuple(sorted(self._learn))
@@ -144,6 +168,11 @@ class _Cut(Handle):
     # -- root hooks ----------------------------------------------------------------------------
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         _recover_stale_frames()
+        if not self._ddp_checked:  # a gate on ddp.module: find the wrapper once
+            from .distributed import calling_ddp, require_find_unused_parameters
+
+            self._ddp_checked = True
+            require_find_unused_parameters(calling_ddp())
         if self._check_ranks:
             from .distributed import check_same_plan
 
@@ -360,6 +389,8 @@ class _Cut(Handle):
             _close_frame(frame)
         self._hooks.remove()
         self._extra_hooks.remove()
+        if self._fsdp_restore is not None:
+            self._fsdp_restore()
 
 
 def _close_frame(frame: _Frame) -> None:
@@ -499,6 +530,7 @@ class BackpropGate(_Cut):
     def skip(self, value: Iterable[int] | None) -> None:
         self._require_active()
         self._skip = frozenset(self._positions(value or (), option="skip"))
+        self._apply_to_fsdp()
 
     def _resolve_learn(self, value: Iterable[int | str]) -> tuple[set[int], list[nn.Module]]:
         if isinstance(value, (str, int)):
@@ -643,6 +675,10 @@ def _require_a_forward(model: nn.Module) -> None:
             "run. Gate the model that calls it, e.g. gg.BackpropGate(model) or "
             "gg.BackpropGate(model, blocks='transformer.h.*')."
         )
+
+
+def _distributed_running() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _has_graph(output: Any) -> bool:
