@@ -102,7 +102,10 @@ class StepRecorder(transformers.TrainerCallback):
         if not self.steps:
             model.register_forward_pre_hook(self._forward)
         self.before = [[p.detach().clone() for p in b.parameters()] for b in self.blocks]
-        self.steps.append({"plan": self.gate_callback.plan, "forwards": []})
+        held = {
+            i for i, b in enumerate(self.blocks) if not any(p.requires_grad for p in b.parameters())
+        }
+        self.steps.append({"plan": self.gate_callback.plan, "forwards": [], "held": held})
 
     def _forward(self, module, args) -> None:
         gate = self.gate_callback.gate
@@ -178,6 +181,7 @@ def test_hf_lisa_with_accumulation_learns_only_the_drawn_blocks(tmp_path: Path) 
         # the same plan for both micro-batches of the step, set before their forwards
         assert step["forwards"] == [(None, record.learn, frozenset())] * 2
         assert step["moved"] == record.learning(N)  # the others bit-identical (AdamW, decay)
+        assert step["held"] == set()  # no checkpointing: frozen only while each block runs
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["gradgate/learning_blocks"] for h in logged] == [1.0, 1.0, 1.0]
     assert [h["gradgate/learning_share"] for h in logged] == [0.25] * 3
@@ -251,11 +255,6 @@ def test_hf_freezeout_drops_the_optimizer_state(tmp_path: Path) -> None:
         pytest.param(
             gg.schedules.LISA(N, k=1, every=1, seed=2, always=["model.embed_tokens"]),
             id="lisa",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="gate: a block frozen for one call is recomputed by checkpointing "
-                "with its parameters requiring grad (CheckpointError)",
-            ),
         ),
     ],
 )
@@ -272,7 +271,10 @@ def test_hf_non_reentrant_gradient_checkpointing(tmp_path: Path, schedule) -> No
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
     for record, step in zip(recorder.steps, range(3), strict=True):
-        assert record["moved"] == schedule.plan(step).learning(N)
+        learning = schedule.plan(step).learning(N)
+        assert record["moved"] == learning
+        assert record["held"] == set(range(N)) - learning  # frozen for the whole step
+    assert all(p.requires_grad for p in model.parameters())  # given back at the end
 
 
 # -- Lightning Trainer -------------------------------------------------------------------------
@@ -383,3 +385,40 @@ def test_lightning_callback_rejects_model_with_gate() -> None:
     net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])
     with gg.BackpropGate(net) as gate, pytest.raises(gg.InvalidOptionError, match="model='net'"):
         gg.integrations.lightning.GateCallback(gg.schedules.RandomDepth(N), gate, model="net")
+
+
+class Checkpointed(nn.Module):
+    """A block that checkpoints its own forward (non-reentrant), hooks outside, as HF does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+class CheckpointedStack(Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(*[Checkpointed() for _ in range(N)])
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        pass
+
+
+@lightning_test
+def test_lightning_lisa_with_checkpointed_blocks_and_freeze_for_step(tmp_path: Path) -> None:
+    module = CheckpointedStack()
+    sched = gg.schedules.LISA(N, k=1, every=1, always=[0], seed=2)
+    callback = gg.integrations.lightning.GateCallback(sched, model="net", freeze_for_step=True)
+    before = [b.inner[0].weight.detach().clone() for b in module.net]
+    fit(module, callback, tmp_path, steps=2)
+    learned = set().union(*(sched.plan(s).learning(N) for s in range(2)))
+    moved = {i for i, b in enumerate(module.net) if not torch.equal(b.inner[0].weight, before[i])}
+    assert moved == learned and len(learned) < N
+    assert all(p.requires_grad for p in module.parameters())

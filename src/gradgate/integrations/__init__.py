@@ -82,6 +82,8 @@ class Driver:
         self.step: int | None = None
         self.plan: Plan | None = None
         self.dropped: frozenset[int] = frozenset()
+        self.hold_frozen = False  # freeze non-learning blocks for the whole step (checkpointing)
+        self._held: list[nn.Parameter] = []
 
     def attach(self, model: nn.Module) -> None:
         """Gate ``model`` unless a gate was given (or made already)."""
@@ -101,7 +103,37 @@ class Driver:
         if step != self.step or self.plan is None:
             self.plan = self.schedule.apply(self.gate, step)
             self.step = step
+            self._hold(self.plan)
         return self.plan
+
+    def _hold(self, plan: Plan) -> None:
+        """With activation checkpointing, keep the non-learning blocks frozen for the step.
+
+        The gate freezes a non-learning block only while it runs; checkpointing recomputes the
+        block's forward in the backward, outside that call, where its parameters would require
+        grad again and the recomputed graph would differ from the saved one (CheckpointError).
+        Frozen for the whole step, the recomputation sees what the forward saw.
+        """
+        self._release()
+        if not self.hold_frozen or self.gate is None:
+            return
+        points = self.gate._points
+        learning = plan.learning(len(points))
+        in_blocks = {id(p) for _, m in points for p in m.parameters()}
+        needed = {id(p) for p in self.gate._model.parameters() if id(p) not in in_blocks}
+        needed |= {id(p) for i in learning for p in points[i][1].parameters()}
+        for position, (_, module) in enumerate(points):
+            if position in learning:
+                continue
+            for param in module.parameters():
+                if param.requires_grad and id(param) not in needed:
+                    param.requires_grad_(False)
+                    self._held.append(param)
+
+    def _release(self) -> None:
+        for param in self._held:
+            param.requires_grad_(True)
+        self._held = []
 
     def end_step(self, optimizers: Iterable[Any], next_step: int) -> None:
         """Drop the state of blocks that learn at no step from ``next_step`` on."""
@@ -124,7 +156,8 @@ class Driver:
         return {f"{PREFIX}{key}": float(value) for key, value in found.items()}
 
     def detach(self) -> None:
-        """Remove the gate if this driver made it."""
+        """Give back the parameters held frozen; remove the gate if this driver made it."""
+        self._release()
         if self.owns_gate and self.gate is not None:
             self.gate.remove()
             self.gate = None

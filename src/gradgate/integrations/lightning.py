@@ -39,7 +39,10 @@ class GateCallback(Callback):  # type: ignore[misc]
     removes that gate when fitting ends. The plan's numbers are logged with ``pl_module.log``
     as ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
     ``gradgate/skipped_blocks`` and ``gradgate/learning_share``. ``drop_state=True`` frees the
-    optimizer state of blocks the schedule says never learn again.
+    optimizer state of blocks the schedule says never learn again. With non-reentrant
+    activation checkpointing inside the blocks, pass ``freeze_for_step=True``: the blocks that
+    do not learn in a step stay frozen for the whole step, so the backward's recomputation sees
+    the flags their forward saw.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class GateCallback(Callback):  # type: ignore[misc]
         blocks: Sequence[Pattern] | str | None = None,
         log: bool = True,
         drop_state: bool = True,
+        freeze_for_step: bool = False,
     ) -> None:
         if model is not None and (gate is not None or not isinstance(model, str)):
             raise InvalidOptionError(
@@ -59,6 +63,11 @@ class GateCallback(Callback):  # type: ignore[misc]
             )
         self._model = model
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+        if not isinstance(freeze_for_step, bool):
+            raise InvalidOptionError(
+                f"freeze_for_step={freeze_for_step!r}; expected True or False."
+            )
+        self._driver.hold_frozen = freeze_for_step
 
     @property
     def gate(self) -> BackpropGate | None:

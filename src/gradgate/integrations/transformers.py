@@ -41,7 +41,10 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     optimizer state of blocks the schedule says never learn again.
 
     Works with non-reentrant gradient checkpointing
-    (``gradient_checkpointing_kwargs={"use_reentrant": False}``).
+    (``gradient_checkpointing_kwargs={"use_reentrant": False}``): then (or with
+    ``freeze_for_step=True``) the blocks that do not learn in a step are kept frozen
+    (``requires_grad=False``) for the whole step, so that the backward's recomputation of a
+    block sees the flags its forward saw; they are given back at the next step and at the end.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         blocks: Sequence[Pattern] | str | None = None,
         log: bool = True,
         drop_state: bool = True,
+        freeze_for_step: bool | None = None,
     ) -> None:
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+        self._freeze_for_step = freeze_for_step
 
     @property
     def gate(self) -> BackpropGate | None:
@@ -79,7 +84,12 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- Trainer events --------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._driver.attach(kwargs["model"])
+        model = kwargs["model"]
+        self._driver.attach(model)
+        hold = self._freeze_for_step
+        if hold is None:
+            hold = bool(getattr(model, "is_gradient_checkpointing", False))
+        self._driver.hold_frozen = hold
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._driver.begin_step(state.global_step)
