@@ -126,7 +126,8 @@ def _digits_section(runs: list[Run]) -> str:
         "download), a small network of 6 residual blocks, the same initial weights and "
         f"batches for both runs, {epochs} epochs. One run trains every block on every step; "
         "the other draws the number of blocks that learn for each minibatch. Their steps "
-        "alternate in one process, so both see the same machine load.</p>"
+        "alternate in one process, so both see the same machine load. The random-depth "
+        "loop, in short:</p>"
         + _code(
             "gate = gg.BackpropGate(net)  # finds the 6 blocks\n"
             "for x, y in batches:\n"
