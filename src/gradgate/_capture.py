@@ -224,7 +224,7 @@ def capture_grads(model: nn.Module, *patterns: Pattern, inputs: bool = False) ->
     True
     """
     check_module(model)
-    patterns = check_patterns("capture_grads", patterns, allow_root=True)
+    patterns = check_patterns("capture_grads", patterns, model=model, allow_root=True)
     if not isinstance(inputs, bool):
         raise InvalidOptionError(
             f"inputs={inputs!r} has type {type(inputs).__name__}; expected True (also keep the "

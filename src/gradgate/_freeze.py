@@ -273,7 +273,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     """
     check_module(model)
     check_choice("norm", norm, get_args(NormMode))
-    patterns = check_patterns("freeze", patterns, allow_none=True)
+    patterns = check_patterns("freeze", patterns, model=model, allow_none=True)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     for name, param in params:
@@ -333,7 +333,7 @@ def unfreeze(
             f"optimizer={optimizer!r:.60} has type {type(optimizer).__name__}; expected a "
             "torch.optim.Optimizer (the one training this model) or None."
         )
-    patterns = check_patterns("unfreeze", patterns, allow_none=True)
+    patterns = check_patterns("unfreeze", patterns, model=model, allow_none=True)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))

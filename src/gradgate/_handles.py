@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
-from ._errors import HandleUsedError
+from ._errors import HandleUsedError, InvalidOptionError
 
 _H = TypeVar("_H", bound="Handle")
 
@@ -29,6 +29,16 @@ class Handle:
     """
 
     def __init__(self, undo: Callable[[], None], *, description: str = "") -> None:
+        if not callable(undo):
+            raise InvalidOptionError(
+                f"undo={undo!r:.60} is not callable; expected a function of no arguments that "
+                "undoes what was applied, e.g. Handle(hook.remove)."
+            )
+        if not isinstance(description, str):
+            raise InvalidOptionError(
+                f"description={description!r:.60} has type {type(description).__name__}; "
+                "expected a str that names what the handle undoes."
+            )
         self._undo: Callable[[], None] | None = undo
         self._description = description
 

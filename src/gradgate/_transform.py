@@ -132,7 +132,7 @@ def grad_transform(
     >>> handle.remove()
     """
     check_module(model)
-    (pattern,) = check_patterns("grad_transform", (pattern,))
+    (pattern,) = check_patterns("grad_transform", (pattern,), model=model)
     check_choice("on", on, get_args(On))
     check_choice("count", count, get_args(Count))
     if not callable(fn):
@@ -152,8 +152,8 @@ def grad_transform(
             if not any(True for _ in module.parameters()):
                 raise NoTensorError(
                     f"module {name!r} ({type(module).__name__}) has no parameters, so on={on!r} "
-                    "has no parameter gradient to transform; use on='input' to change the "
-                    "gradient flowing out of it."
+                    "has no parameter gradient to transform; expected a module with parameters. "
+                    "Use on='input' to change the gradient flowing out of it."
                 )
     handle = TransformHandle(f"grad_transform {pattern!r} {fn_name} on={on}", fn, when=when)
     hooks = handle._module_hooks
