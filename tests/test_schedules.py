@@ -7,6 +7,8 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
@@ -275,3 +277,44 @@ def test_dropbp_on_a_gate_matches_the_hand_written_reference() -> None:
             assert skipped == {
                 n for n, p in net.named_parameters() if p.grad is None and n.endswith("weight")
             }
+
+
+# -- properties --------------------------------------------------------------------------------
+@st.composite
+def schedules(draw) -> gg.schedules.Schedule:
+    n = draw(st.integers(1, 8))
+    seed = draw(st.integers(-(2**40), 2**40))
+    kind = draw(st.sampled_from(["random", "lisa", "dropbp", "freezeout", "unfreeze"]))
+    if kind == "random":
+        low = draw(st.integers(0, n))
+        return RandomDepth(n, low, draw(st.integers(low, n)), seed=seed)
+    if kind == "lisa":
+        always = draw(st.sets(st.integers(0, n - 1), max_size=n))
+        k = draw(st.integers(0, n - len(always)))
+        return LISA(n, k, every=draw(st.integers(1, 5)), always=always, seed=seed)
+    if kind == "dropbp":
+        rates = draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+        return DropBP(n, rates=rates, seed=seed)
+    if kind == "freezeout":
+        first = draw(st.floats(0, 1))
+        return FreezeOut(n, total_steps=draw(st.integers(1, 50)), first=first, seed=seed)
+    return GradualUnfreeze(n, every=draw(st.integers(1, 5)), start=draw(st.integers(0, n)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedule=schedules(), steps=st.lists(st.integers(0, 10**6), min_size=1, max_size=5))
+def test_every_plan_fits_its_gate_and_is_reproducible(schedule, steps: list[int]) -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(schedule.n)])
+    twin = copy.deepcopy(schedule)
+    with gg.BackpropGate(net, [str(i) for i in range(schedule.n)]) as gate:
+        for step in steps:
+            plan = schedule.apply(gate, step)
+            assert plan == twin.plan(step)
+            assert plan.learning(schedule.n) <= set(range(schedule.n))
+            assert plan.skip <= set(range(schedule.n))
+            assert gate.skip == plan.skip
+            if plan.learn is None:
+                assert gate.depth == plan.depth
+            else:
+                assert gate.learn == plan.learn
+            assert not (schedule.finished(step) & plan.learning(schedule.n))
