@@ -175,3 +175,13 @@ def test_drop_finished_errors() -> None:
     ):
         gg.optim.drop_finished(optimizer, gate, gg.schedules.FreezeOut(4, stops=[0] * 4), 1)
     assert gg.optim.drop_finished(optimizer, net, gg.schedules.RandomDepth(3), 1) == 0
+
+
+def test_add_missing_from_named_parameters_only() -> None:
+    net = stack(n=3)
+    optimizer = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    pairs = [(n, p) for n, p in net.named_parameters() if n.startswith("blocks.1.")]
+    assert gg.optim.add_missing(optimizer, pairs) == ["blocks.1.weight", "blocks.1.bias"]
+    assert gg.optim.add_missing(optimizer, pairs) == []
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert id(net.blocks[0].weight) not in held and id(net.blocks[1].weight) in held

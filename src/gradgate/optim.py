@@ -71,7 +71,7 @@ def param_groups(
 
 def add_missing(
     optimizer: torch.optim.Optimizer,
-    model: nn.Module,
+    model: nn.Module | Iterable[tuple[str, nn.Parameter]],
     *,
     trainable_only: bool = True,
     **options: Any,
@@ -80,7 +80,8 @@ def add_missing(
 
     Parameters unfrozen after the optimizer was built otherwise never train. They go into
     one new group with ``options`` (the optimizer's defaults fill the rest).
-    ``trainable_only=False`` adds frozen parameters too.
+    ``trainable_only=False`` adds frozen parameters too. Instead of a model, ``(name,
+    parameter)`` pairs limit the search (e.g. the parameters one unfreeze matched).
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -90,10 +91,10 @@ def add_missing(
     >>> [g["lr"] for g in opt.param_groups]
     [0.1, 0.01]
     """
-    check_module(model)
+    named = model.named_parameters() if isinstance(model, nn.Module) else model
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing: list[tuple[str, nn.Parameter]] = []
-    for name, param in model.named_parameters():
+    for name, param in named:
         if id(param) not in held and (param.requires_grad or not trainable_only):
             held.add(id(param))
             missing.append((name, param))
