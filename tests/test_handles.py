@@ -111,3 +111,16 @@ def test_a_live_handle_can_be_entered_and_undone_once() -> None:
         assert same is handle and handle.active
     handle.undo()
     assert calls == [1] and not handle.active
+
+
+def test_the_latest_live_handle_wins_even_when_it_changed_nothing_at_first() -> None:
+    model = _net()
+    freeze = gg.freeze(model, "0")
+    first = gg.unfreeze(model, "0")
+    second = gg.unfreeze(model, "0")  # already learning: still a live "learn" for 0
+    first.undo()
+    assert model[0].weight.requires_grad  # `second` is the latest live handle touching it
+    second.undo()
+    assert not model[0].weight.requires_grad  # now `freeze` is
+    freeze.undo()
+    assert model[0].weight.requires_grad

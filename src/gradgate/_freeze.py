@@ -185,10 +185,18 @@ class _LayerHandle(Handle):
     def __init__(self, description: str) -> None:
         super().__init__(self._restore, description=description)
         self._slots: list[tuple[str, nn.Module, str]] = []
+        self._changed: set[str] = set()  # names whose flag this handle changed when applied
         self._norms: list[nn.Module] = []
 
     def _hold(self, reported: str, locations: list[tuple[str, nn.Module, str]]) -> None:
-        """Push this handle's flag onto every slot of one parameter, reported by its name."""
+        """Push this handle's flag onto every slot of one parameter, reported by its name.
+
+        Pushed also where the flag already has this value: the latest live handle touching a
+        parameter decides its flag, whatever the others did before or are undone after."""
+        if locations:
+            param = locations[0][1]._parameters[locations[0][2]]
+            if param is not None and param.requires_grad != self._flag:
+                self._changed.add(reported)
         for _, module, name in locations:
             _push_flag(self, module, name, self._flag)
             self._slots.append((reported, module, name))
@@ -213,7 +221,8 @@ class FreezeHandle(_LayerHandle):
         names: dict[int, str] = {}
         for qualified, module, name in self._slots:
             param = module._parameters.get(name)
-            if param is not None and _top_layer(module, name) is self:
+            held = qualified in self._changed and _top_layer(module, name) is self
+            if param is not None and held:
                 names.setdefault(id(param), qualified)
         return list(names.values())
 
@@ -231,8 +240,10 @@ class UnfreezeHandle(_LayerHandle):
 
     @property
     def parameters(self) -> list[str]:
-        """Names of the parameters this handle made learn."""
-        return list(dict.fromkeys(qualified for qualified, _, _ in self._slots))
+        """Names of the parameters this handle made learn (they did not before)."""
+        return [
+            name for name in dict.fromkeys(q for q, _, _ in self._slots) if name in self._changed
+        ]
 
     @property
     def added_to_optimizer(self) -> list[str]:
@@ -286,8 +297,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
             )
     handle = FreezeHandle(_describe("freeze", patterns))
     for name, param in params:
-        if param.requires_grad:
-            handle._hold(name, locations[id(param)])
+        handle._hold(name, locations[id(param)])
     if norm == "eval":
         for module in _norm_layers(model, modules, params):
             handle._hold_norm(module, locked=True)
@@ -338,11 +348,9 @@ def unfreeze(
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))
     for name, param in params:
-        if not param.requires_grad:
-            handle._hold(name, locations[id(param)])
+        handle._hold(name, locations[id(param)])
     for module in _norm_layers(model, modules, params):
-        if _is_locked(module):
-            handle._hold_norm(module, locked=False)
+        handle._hold_norm(module, locked=False)
     if optimizer is not None:
         handle._optimizer = optimizer
         handle._added, handle._added_names = _add_missing(model, optimizer, params)
