@@ -212,6 +212,15 @@ def test_apply_to_a_gate_of_another_size_raises() -> None:
         RandomDepth(6).apply(gate, 0)
 
 
+def test_a_plan_that_does_not_fit_leaves_the_gate_as_it_was() -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    with gg.BackpropGate(net) as gate:
+        Plan(learn=frozenset({0}), skip=frozenset({2})).apply(gate)
+        with pytest.raises(gg.InvalidDepthError, match="skip contains block position 7"):
+            Plan(depth=1, skip=frozenset({7})).apply(gate)
+        assert (gate.depth, gate.learn, gate.skip) == (None, {0}, {2})
+
+
 # -- on a real gate ----------------------------------------------------------------------------
 def test_depth_schedules_set_the_gate_depth() -> None:
     net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])

@@ -42,7 +42,9 @@ __all__ = [
 
 
 class _Gate(Protocol):
-    blocks: list[str]
+    @property
+    def blocks(self) -> list[str]: ...
+
     depth: int | None
     learn: Any
     skip: Any
@@ -74,7 +76,15 @@ class Plan:
             )
 
     def apply(self, gate: _Gate) -> None:
-        """Set this plan on a gate (one field write each)."""
+        """Set this plan on a gate (one field write each); all of it or, on error, none."""
+        before = Plan(depth=gate.depth, learn=gate.learn, skip=gate.skip)
+        try:
+            self._write(gate)
+        except BaseException:
+            before._write(gate)
+            raise
+
+    def _write(self, gate: _Gate) -> None:
         if self.learn is not None:
             gate.learn = self.learn
         else:
