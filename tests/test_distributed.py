@@ -91,10 +91,26 @@ def counting_all_reduce() -> Iterator[list[tuple[torch.dtype, int]]]:
         dist.all_reduce = original
 
 
-def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tagged: bool = False) -> int:
-    """Bytes of gradient all-reduced; with ``tagged``, less each bucket's 4-byte layout tag."""
-    sizes = [size for dtype, size in calls if dtype == torch.float32]
-    return sum(sizes) - (4 * len(sizes) if tagged else 0)
+def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tags: int = 0) -> int:
+    """Bytes of gradient all-reduced, less ``tags`` 4-byte layout tags (assume_same_plan)."""
+    return sum(size for dtype, size in calls if dtype == torch.float32) - 4 * tags
+
+
+@contextmanager
+def counting_tags() -> Iterator[list[int]]:
+    """Record each layout tag allreduce_trained(..., assume_same_plan=True) adds to a bucket."""
+    tags: list[int] = []
+    original = gg.distributed.TrainedAllReduce._layout_tag
+
+    def counted(self: Any, *args: Any) -> int:
+        tags.append(original(self, *args))
+        return tags[-1]
+
+    gg.distributed.TrainedAllReduce._layout_tag = counted  # type: ignore[method-assign]
+    try:
+        yield tags
+    finally:
+        gg.distributed.TrainedAllReduce._layout_tag = original  # type: ignore[method-assign]
 
 
 def flag_exchanges(calls: list[tuple[torch.dtype, int]]) -> int:
@@ -129,10 +145,12 @@ def allreduce_trained_sends_the_trained_share(rank: int, record: dict[str, Any])
         for step, depth in enumerate([1, 3, None, 2, 1]):
             ddp.zero_grad(set_to_none=True)
             gate.depth = depth
-            with counting_all_reduce() as calls:
+            with counting_all_reduce() as calls, counting_tags() as tags:
                 ddp(batch(rank, step)).pow(2).sum().backward()
             trained = N_BLOCKS if depth is None else depth
-            sent = gradient_bytes(calls, tagged=assume)
+            sent = gradient_bytes(calls, tags=len(tags))
+            # a tag in each bucket sent in part, none where the whole bucket is sent
+            assert (len(tags) > 0) == (assume and depth is not None), tags
             assert sent == trained * BLOCK_BYTES, (as_view, assume, depth, calls)
             assert (flag_exchanges(calls) == 0) == assume, calls
             shares[depth] = sent / (N_BLOCKS * BLOCK_BYTES)
@@ -164,6 +182,40 @@ def allreduce_trained_buckets_cut_across_blocks(rank: int, record: dict[str, Any
     assert len(seen) > 1 and any(sizes not in ([16, 4], [4, 16]) for sizes in seen), seen
 
 
+def allreduce_trained_leaves_unsent_stretches_alone(rank: int, record: dict[str, Any]) -> None:
+    """What is not sent keeps its value, also the element a layout tag borrows for a while.
+
+    Every bucket is filled with 7 before the hook runs: the stretches sent average to 7 over
+    the ranks, the others must keep it, so any other value is a leak (a tag left behind)."""
+    original = gg.distributed.TrainedAllReduce._reduce
+    results: list[Any] = []
+
+    def spy(self: Any, bucket: dist.GradBucket) -> Any:
+        bucket.buffer().fill_(7.0)
+        results.append(original(self, bucket))
+        return results[-1]
+
+    for assume in (False, True):
+        model = make_model()
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=SMALL_BUCKET_MB)
+        handle = gg.distributed.allreduce_trained(ddp, assume_same_plan=assume)
+        gate = gg.BackpropGate(model)
+        gg.distributed.TrainedAllReduce._reduce = spy  # type: ignore[method-assign]
+        try:
+            for step, depth in enumerate([1, 2, 3]):
+                gate.depth = depth
+                results.clear()
+                with counting_tags() as tags:
+                    ddp(batch(rank, step)).pow(2).sum().backward()
+                assert len(tags) > 0 if assume else not tags
+                for future in results:
+                    assert bool((future.wait() == 7.0).all()), (assume, depth, future.wait())
+        finally:
+            gg.distributed.TrainedAllReduce._reduce = original  # type: ignore[method-assign]
+        gate.remove()
+        handle.remove()
+
+
 def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, Any]) -> None:
     for as_view, assume in [(False, False), (True, False), (True, True)]:
         model = make_model()
@@ -179,14 +231,14 @@ def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, A
         plans = [[(0, 3), (1, 1)], [(2, 1), (3, 2)], [(4, 1), (5, 3), (6, 1)], [(7, 2)]]
         for plan in plans:
             ddp.zero_grad(set_to_none=True)
-            with counting_all_reduce() as calls:
+            with counting_all_reduce() as calls, counting_tags() as tags:
                 for i, (step, depth) in enumerate(plan):
                     gate.depth = depth
                     sync = i == len(plan) - 1
                     with nullcontext() if sync else ddp.no_sync():
                         ddp(batch(rank, step)).pow(2).sum().backward()
             deepest = max(depth for _, depth in plan)
-            sent = gradient_bytes(calls, tagged=assume)
+            sent = gradient_bytes(calls, tags=len(tags))
             assert sent == deepest * BLOCK_BYTES, (as_view, plan, calls)
             assert_grads(model, reference(plan), f"view={as_view} plan {plan}")
         gate.remove()
@@ -346,21 +398,37 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
         return original(*args, **kwargs)
 
     _fsdp_param_group.foreach_all_gather = counted
+
+    def unshard_flags() -> list[bool]:
+        groups = [g for b in blocks for g in gg.distributed._fsdp_param_groups(b)]
+        return [g.unshard_in_backward for g in groups]
+
+    def set_fsdp_default() -> None:
+        for block in blocks:
+            block.set_unshard_in_backward(True)  # type: ignore[operator]
+
     counts: dict[str, int] = {}
     try:
         for step, depth in enumerate([1, 2, 3, 4]):
-            for apply in (False, True):
+            # "gate": the gate applies the plan itself; "default": FSDP2 as it comes;
+            # "plan": apply_plan_to_fsdp called by hand on the default
+            for arm in ("gate", "default", "plan"):
                 model.zero_grad(set_to_none=True)
                 gate.depth = depth
-                in_backward = [i >= N_BLOCKS - depth for i in range(N_BLOCKS)]
-                restore = gg.distributed.apply_plan_to_fsdp(
-                    blocks, in_backward if apply else [True] * N_BLOCKS
-                )
+                restore = None
+                if arm != "gate":
+                    set_fsdp_default()
+                if arm == "plan":
+                    in_backward = [i >= N_BLOCKS - depth for i in range(N_BLOCKS)]
+                    restore = gg.distributed.apply_plan_to_fsdp(blocks, in_backward)
+                    assert unshard_flags() == in_backward
                 loss = model(batch(rank, step)).pow(2).sum()
                 gathers.clear()
                 loss.backward()
-                restore()
-                counts[f"depth {depth} {'plan' if apply else 'default'}"] = len(gathers)
+                if restore is not None:
+                    restore()
+                    assert all(unshard_flags())
+                counts[f"depth {depth} {arm}"] = len(gathers)
                 grads = [
                     None if p.grad is None else p.grad.full_tensor() for p in model.parameters()
                 ]
@@ -371,8 +439,6 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
                     else:
                         # FSDP2 averages; reference() averages the summed losses the same way
                         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-                if apply:
-                    assert len(gathers) == depth, (depth, len(gathers))
     finally:
         _fsdp_param_group.foreach_all_gather = original
     record["fsdp_gathers"] = counts
@@ -383,6 +449,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     ddp_with_find_unused_is_exact,
     allreduce_trained_sends_the_trained_share,
     allreduce_trained_buckets_cut_across_blocks,
+    allreduce_trained_leaves_unsent_stretches_alone,
     allreduce_trained_accumulates_different_plans,
     allreduce_trained_matches_ddp_when_ranks_differ,
     allreduce_trained_assuming_one_plan_detects_two,
@@ -446,9 +513,9 @@ def test_bytes_all_reduced_are_the_trained_share(results: list[dict[str, Any]]) 
 def test_fsdp2_gathers_one_more_block_without_the_plan(results: list[dict[str, Any]]) -> None:
     counts = results[0]["fsdp2_all_gathers_only_learning_blocks"]["fsdp_gathers"]
     for depth in (1, 2, 3):
-        assert counts[f"depth {depth} plan"] == depth
+        assert counts[f"depth {depth} plan"] == counts[f"depth {depth} gate"] == depth
         assert counts[f"depth {depth} default"] == depth + 1  # FSDP2's prefetch
-    assert counts["depth 4 plan"] == counts["depth 4 default"] == 4
+    assert counts["depth 4 plan"] == counts["depth 4 default"] == counts["depth 4 gate"] == 4
 
 
 def test_check_same_plan_costs_little(results: list[dict[str, Any]]) -> None:

@@ -17,6 +17,7 @@ Outside a process group every check passes, so the same script runs on one proce
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sys
@@ -75,7 +76,8 @@ def check_same_plan(
     )
     work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=process_group, async_op=True)
     _wait(work, timeout, what="the plan check")
-    if extremes[0].item() == -extremes[1].item():
+    highest, minus_lowest = extremes.tolist()
+    if highest == -minus_lowest:
         return
     plans: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(
@@ -95,15 +97,19 @@ def _in_process_group() -> bool:
 
 
 def _fingerprint(plan_key: tuple[int, ...] | bytes) -> int:
-    if isinstance(plan_key, bytes):
-        data = plan_key
-    elif isinstance(plan_key, tuple) and all(isinstance(v, int) for v in plan_key):
-        data = repr(plan_key).encode()
-    else:
+    if not isinstance(plan_key, (bytes, tuple)) or (
+        isinstance(plan_key, tuple) and not all(isinstance(v, int) for v in plan_key)
+    ):
         raise GradgateError(
             f"plan_key={plan_key!r}; expected a tuple of ints or bytes (e.g. the learning block "
             "indices). Pass tuple(sorted(indices))."
         )
+    return _hash63(plan_key)
+
+
+@functools.lru_cache(maxsize=256)  # a run repeats a few plans: hash each once
+def _hash63(plan_key: tuple[int, ...] | bytes) -> int:
+    data = plan_key if isinstance(plan_key, bytes) else repr(plan_key).encode()
     # 63 bits so that negating it can never overflow int64
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
@@ -236,45 +242,65 @@ class TrainedAllReduce(Handle):
 
     def _reduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        self.bytes_full += buffer.numel() * buffer.element_size()
-        stretches = self._stretches(bucket) if self.trained_only else [(0, buffer.numel())]
+        size = buffer.numel()
+        self.bytes_full += size * buffer.element_size()
+        stretches = self._stretches(bucket) if self.trained_only else [(0, size)]
         if not stretches:
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
             return done
-        tag = self._layout_tag(stretches, buffer) if self._tagged else None
-        single = len(stretches) == 1 and tag is None
-        packed = (
-            buffer[stretches[0][0] : stretches[0][1]]
-            if single
-            else torch.cat([buffer[start:end] for start, end in stretches])
-        )
-        packed.div_(self.world_size)
-        self.bytes_reduced += packed.numel() * packed.element_size()
-        if tag is not None:
-            packed = torch.cat(
-                [packed, torch.full((1,), tag, dtype=packed.dtype, device=packed.device)]
-            )
+        sent = sum(end - start for start, end in stretches)
+        self.bytes_reduced += sent * buffer.element_size()
+        # Sending the whole bucket needs no tag: a rank sending less would fail on the size.
+        tag = self._layout_tag(stretches, buffer) if self._tagged and sent < size else None
+        copy_back: list[tuple[int, int]] = []
+        if len(stretches) == 1:
+            packed, tag_at, borrowed = self._in_place(buffer, stretches[0], tag)
+        else:
+            parts = [buffer[start:end] for start, end in stretches]
+            if tag is not None:
+                parts.append(torch.zeros(1, dtype=buffer.dtype, device=buffer.device))
+            packed = torch.cat(parts)
+            packed[:sent].div_(self.world_size)
+            tag_at, borrowed, copy_back = (sent if tag is not None else None), None, stretches
+        if tag is not None and tag_at is not None:
+            packed[tag_at] = tag
         work = dist.all_reduce(packed, group=self.group, async_op=True)
 
         def unpack(future: torch.futures.Future[Any]) -> torch.Tensor:
             future.wait()
-            if tag is not None and packed[-1].item() != tag * self.world_size:
-                raise RankMismatchError(
-                    f"bucket {bucket.index()}: the ranks all-reduced different parameters "
-                    "(allreduce_trained(..., assume_same_plan=True) saw layout tags summing to "
-                    f"{packed[-1].item()}, expected {tag * self.world_size}); expected every "
-                    "rank's backward to reach the same parameters. Use the same plan on every "
-                    "rank (BackpropGate(..., check_ranks=True)) or assume_same_plan=False."
-                )
-            if not single:
-                position = 0
-                for start, end in stretches:
-                    buffer[start:end].copy_(packed[position : position + end - start])
-                    position += end - start
+            if tag is not None and tag_at is not None:
+                total = packed[tag_at].item()
+                if borrowed is not None:  # the borrowed neighbour gets its value back
+                    buffer[borrowed[0]] = borrowed[1]
+                if total != tag * self.world_size:
+                    raise RankMismatchError(
+                        f"bucket {bucket.index()}: the ranks all-reduced different parameters "
+                        "(allreduce_trained(..., assume_same_plan=True) saw layout tags summing "
+                        f"to {total}, expected {tag * self.world_size}); expected every rank's "
+                        "backward to reach the same parameters. Use the same plan on every "
+                        "rank (BackpropGate(..., check_ranks=True)) or assume_same_plan=False."
+                    )
+            position = 0
+            for start, end in copy_back:
+                buffer[start:end].copy_(packed[position : position + end - start])
+                position += end - start
             return buffer
 
         return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(unpack))
+
+    def _in_place(
+        self, buffer: torch.Tensor, stretch: tuple[int, int], tag: int | None
+    ) -> tuple[torch.Tensor, int | None, tuple[int, torch.Tensor] | None]:
+        """One stretch is all-reduced where it lies, no copy; a tag borrows the next element."""
+        start, end = stretch
+        buffer[start:end].div_(self.world_size)
+        if tag is None:
+            return buffer[start:end], None, None
+        borrowed = end if end < buffer.numel() else start - 1  # not sent, restored after
+        saved = buffer[borrowed].clone()
+        low, high = min(start, borrowed), max(end, borrowed + 1)
+        return buffer[low:high], borrowed - low, (borrowed, saved)
 
     def _layout_tag(self, stretches: list[tuple[int, int]], buffer: torch.Tensor) -> int:
         """A small integer naming the stretches, summed exactly in the bucket's dtype."""
