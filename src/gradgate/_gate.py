@@ -100,7 +100,8 @@ class _Cut(Handle):
         self._points = points
         self._prefix_mode = prefix_mode
         self._check_ranks = check_ranks
-        self._learn: frozenset[int] | None = None  # None: no cut
+        self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
+        self._first: int | None = None  # the first block that opens the cut (cached per plan)
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._warned: set[str] = set()
@@ -129,14 +130,27 @@ class _Cut(Handle):
         self._extra_hooks = HookSet()
 
     # -- the plan ------------------------------------------------------------------------------
-    def _set_plan(self, learn: frozenset[int] | None, extra: tuple[nn.Module, ...] = ()) -> None:
+    def _set_plan(
+        self, learn: range | frozenset[int] | None, extra: tuple[nn.Module, ...] = ()
+    ) -> None:
         self._require_active()
         if extra != self._extra:
             self._extra_hooks.remove()
             for module in extra:
                 self._extra_hooks.pre(module, GateHook(self, "_enter_extra"))
-        self._learn, self._extra = learn, extra
+        self._learn, self._extra, self._first = learn, extra, None
         self._apply_to_fsdp()
+
+    def _first_opener(self) -> int:
+        """Position of the first learning block that is not skipped (n when there is none)."""
+        if self._first is None:
+            learn = self._learn or ()
+            if isinstance(learn, range) and not self._skip:
+                self._first = learn.start
+            else:
+                opening = (p for p in learn if p not in self._skip)
+                self._first = min(opening, default=len(self._points))
+        return self._first
 
     def _apply_to_fsdp(self) -> None:
         """FSDP2: no all-gather in backward for blocks that backward does not run through."""
@@ -146,8 +160,7 @@ class _Cut(Handle):
 
         if self._fsdp_restore is not None:
             self._fsdp_restore()
-        opening = (self._learn or frozenset()) - self._skip
-        first = min(opening) if opening else len(self._points)
+        first = self._first_opener()
         in_backward = [
             self._learn is None or (p >= first and p not in self._skip)
             for p in range(len(self._points))
@@ -285,11 +298,10 @@ class _Cut(Handle):
         called through ``checkpoint()``) sees grad on, and blocks skipped by LayerDrop cannot
         keep the cut shut.
         """
-        learn = self._learn
-        assert learn is not None
-        opening = learn - self._skip
-        first = min(opening) if opening else len(self._points) - 1
-        return position not in opening and self._stacks[position] == self._stacks[first]
+        assert self._learn is not None
+        first = min(self._first_opener(), len(self._points) - 1)
+        opens = position in self._learn and position not in self._skip
+        return not opens and self._stacks[position] == self._stacks[first]
 
     def _open(self, frame: _Frame) -> None:
         if not frame.blocking or frame.opened:
@@ -499,7 +511,7 @@ class BackpropGate(_Cut):
     def depth(self, value: int | None) -> None:
         n = len(self._points)
         value = _validate_depth(value, n, type(self._model).__name__)
-        self._set_plan(None if value is None else frozenset(range(n - value, n)))
+        self._set_plan(None if value is None else range(n - value, n))  # O(1)
         self._depth = value
 
     @property
@@ -530,6 +542,7 @@ class BackpropGate(_Cut):
     def skip(self, value: Iterable[int] | None) -> None:
         self._require_active()
         self._skip = frozenset(self._positions(value or (), option="skip"))
+        self._first = None
         self._apply_to_fsdp()
 
     def _resolve_learn(self, value: Iterable[int | str]) -> tuple[set[int], list[nn.Module]]:

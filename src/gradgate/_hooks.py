@@ -14,15 +14,15 @@ from torch.utils.hooks import RemovableHandle
 
 
 class GateHook:
-    """A hook that calls ``getattr(owner, method)(*bound, *hook_args)``."""
+    """A hook that calls ``owner.method(*bound, *hook_args)``."""
 
-    __slots__ = ("bound", "method", "owner")
+    __slots__ = ("bound", "function")
 
     def __init__(self, owner: object, method: str, *bound: object) -> None:
-        self.owner, self.method, self.bound = owner, method, bound
+        self.function, self.bound = getattr(owner, method), bound
 
     def __call__(self, *args: Any) -> Any:
-        return getattr(self.owner, self.method)(*self.bound, *args)
+        return self.function(*self.bound, *args)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_detached, ())
