@@ -311,6 +311,18 @@ def allreduce_trained_remove_restores_full_averaging(rank: int, record: dict[str
     again.remove()
 
 
+def allreduce_trained_sees_parameters_unfrozen_later(rank: int, record: dict[str, Any]) -> None:
+    """A parameter frozen when the hook was installed and unfrozen after is still averaged."""
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=SMALL_BUCKET_MB)
+    frozen = gg.freeze(model, "0")
+    handle = gg.distributed.allreduce_trained(ddp)
+    frozen.undo()
+    ddp(batch(rank, 0)).pow(2).sum().backward()
+    assert_grads(model, reference([(0, None)]), "unfrozen after allreduce_trained")
+    handle.remove()
+
+
 def plain_ddp_gets_a_clear_error(rank: int, record: dict[str, Any]) -> None:
     model = make_model()
     plain = DDP(model)
@@ -454,6 +466,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     allreduce_trained_matches_ddp_when_ranks_differ,
     allreduce_trained_assuming_one_plan_detects_two,
     allreduce_trained_remove_restores_full_averaging,
+    allreduce_trained_sees_parameters_unfrozen_later,
     plain_ddp_gets_a_clear_error,
     check_same_plan_agrees_and_disagrees,
     check_same_plan_does_not_hang,

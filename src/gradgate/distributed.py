@@ -224,9 +224,13 @@ class TrainedAllReduce(Handle):
         self._hooks = self._watch(ddp)
 
     def _watch(self, ddp: DistributedDataParallel) -> list[Any]:
+        """Hook every parameter that can get a gradient; one frozen now cannot be hooked, so it
+        is always sent (it may be unfrozen later, and DDP still has it in its buckets)."""
+
         def mark(param: torch.Tensor) -> None:
             self._fresh.add(id(param))
 
+        self._always = {id(p) for p in ddp.module.parameters() if not p.requires_grad}
         return [
             param.register_post_accumulate_grad_hook(mark)
             for param in ddp.module.parameters()
@@ -316,7 +320,7 @@ class TrainedAllReduce(Handle):
     def _stretches(self, bucket: GradBucket) -> list[tuple[int, int]]:
         """Runs of the bucket whose parameters got a gradient on any rank since the last sync."""
         params = bucket.parameters()
-        flags = [id(p) in self._fresh for p in params]
+        flags = [id(p) in self._fresh or id(p) in self._always for p in params]
         used = torch.tensor(flags, dtype=torch.uint8, device=bucket.buffer().device)
         self._fresh.difference_update(id(p) for p in params)
         if self.world_size > 1 and not self._tagged:  # same stretches on every rank: the union
