@@ -541,6 +541,10 @@ def test_a_missing_rank_raises_after_the_timeout(results: list[dict[str, Any]]) 
 
 def test_outside_a_process_group_checks_pass() -> None:
     gg.distributed.check_same_plan((1, 2))
+    with pytest.raises(gg.GradgateError, match="plan_key=\\[1\\]"):
+        gg.distributed.check_same_plan([1])  # type: ignore[arg-type]
+    with pytest.raises(gg.GradgateError, match="timeout=0; expected a number of seconds"):
+        gg.distributed.check_same_plan((1,), timeout=0)
     gg.distributed.require_find_unused_parameters(make_model())
     assert gg.distributed.calling_ddp() is None
     restore = gg.distributed.apply_plan_to_fsdp([nn.Linear(2, 2)], [False])

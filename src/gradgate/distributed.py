@@ -68,9 +68,11 @@ def check_same_plan(
     >>> check_same_plan((1, 2, -2))     # one process: returns at once
     >>> check_same_plan(b"depth=3")
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise GradgateError(f"timeout={timeout!r}; expected a number of seconds above 0.")
+    fingerprint = _fingerprint(plan_key)
     if not _in_process_group():
         return
-    fingerprint = _fingerprint(plan_key)
     extremes = torch.tensor(
         [fingerprint, -fingerprint], dtype=torch.int64, device=_device(process_group)
     )
