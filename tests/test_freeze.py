@@ -301,3 +301,13 @@ def test_unfreeze_optimizer_must_be_an_optimizer() -> None:
         gg.unfreeze(model, "0", optimizer="sgd")  # type: ignore[arg-type]
     assert not model[0].weight.requires_grad
     handle.undo()
+
+
+def test_unfreeze_adds_parameter_names_to_an_optimizer_built_with_names() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    gg.freeze(model, "0")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(named, lr=0.1)
+    gg.unfreeze(model, "0", optimizer=optimizer)
+    assert optimizer.param_groups[1]["param_names"] == ["0.weight", "0.bias"]
+    assert optimizer.param_groups[1]["params"] == [model[0].weight, model[0].bias]

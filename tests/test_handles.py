@@ -124,3 +124,19 @@ def test_the_latest_live_handle_wins_even_when_it_changed_nothing_at_first() -> 
     assert not model[0].weight.requires_grad  # now `freeze` is
     freeze.undo()
     assert model[0].weight.requires_grad
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, SystemExit])
+def test_context_managers_undo_on_keyboard_interrupt_and_system_exit(fault) -> None:
+    model = _net().train()
+    before = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+    with (
+        pytest.raises(fault),
+        gg.frozen(model, "0", "1", norm="eval"),
+        gg.capture_grads(model, "2"),
+        gg.scale_grad(model, "2", 0.5, on="both"),
+    ):
+        model(torch.randn(3, 2))
+        raise fault()
+    after = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+    assert after == before

@@ -424,8 +424,12 @@ def _add_missing(
         key = id(sibling) if sibling is not None else 0
         new_groups.setdefault(key, (sibling, []))[1].append((name, param))
     added = []
+    named = any("param_names" in group for group in optimizer.param_groups)
     for sibling, members in new_groups.values():
-        options = {k: v for k, v in (sibling or {}).items() if k != "params"}
+        skip = ("params", "param_names")
+        options = {k: v for k, v in (sibling or {}).items() if k not in skip}
+        if named:  # an optimizer built from named_parameters() keeps names per group
+            options["param_names"] = [name for name, _ in members]
         optimizer.add_param_group({**options, "params": [p for _, p in members]})
         added.append(optimizer.param_groups[-1])
     return added, [name for _, members in new_groups.values() for name, _ in members]
