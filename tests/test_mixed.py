@@ -115,3 +115,27 @@ def test_checkpoint_called_around_the_block_still_checkpoints_every_learner(dept
     with gg.frozen(model, *prefix):
         toggled_saved, _ = forward_and_backward(lambda: model(x).sum())
     assert gated_saved <= toggled_saved
+
+
+def test_blocks_frozen_for_their_call_survive_checkpoint_recomputation() -> None:
+    # transformers >= 5 checkpoints a layer's forward with the module hooks outside: backward
+    # recomputes the forward, so a non-learning block must still look frozen then.
+    from models import llama
+
+    model, batch, loss_fn = llama(layers=4)
+    reference = copy.deepcopy(model)
+    named = dict(reference.named_parameters())
+    full = dict(zip(named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    gate = gg.BackpropGate(model)
+    gate.learn = {1, "model.embed_tokens"}
+    for _ in range(2):  # also the step after
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        learned = {n for n, p in model.named_parameters() if p.grad is not None}
+        assert {n.split(".")[2] for n in learned if n.startswith("model.layers.")} == {"1"}
+        for name in learned:
+            torch.testing.assert_close(dict(model.named_parameters())[name].grad, full[name], msg=name)
+        assert all(p.requires_grad for p in model.parameters())
+    gate.remove()

@@ -1,0 +1,110 @@
+"""What happens to one block call: frozen for the call, skipped (DropBP), checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._autograd import tensors_in
+from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
+
+
+def require_a_forward(model: nn.Module) -> None:
+    if isinstance(model, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)):
+        raise BlockCallError(
+            f"a {type(model).__name__} has no forward of its own, so a gate on it would never "
+            "run. Gate the model that calls it, e.g. gg.BackpropGate(model) or "
+            "gg.BackpropGate(model, blocks='transformer.h.*')."
+        )
+
+
+def distributed_running() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def has_graph(output: Any) -> bool:
+    tensors = tensors_in(output)
+    return not tensors or any(t.requires_grad for t in tensors)
+
+
+def freeze_for_call(module: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in module.parameters() if p.requires_grad]
+    for param in params:
+        param.requires_grad_(False)
+    return params
+
+
+def pass_around(name: str, args: Any, kwargs: Any, output: Any) -> Any:
+    """DropBP: the block's value, with the gradient of its input passed through unchanged."""
+    inputs = tensors_in((args, kwargs))
+    if not inputs:
+        raise BlockCallError(f"skipped block {name!r} got no tensor input to pass around.")
+    x = inputs[0]
+    outputs = tensors_in(output)
+    if not outputs or outputs[0].shape != x.shape:
+        shape = tuple(outputs[0].shape) if outputs else None
+        raise BlockCallError(
+            f"block {name!r} cannot be skipped: its output shape {shape} differs from its "
+            f"input shape {tuple(x.shape)}, so there is no residual path for the gradient. "
+            "Skip only residual blocks (output = input + f(input))."
+        )
+    if not x.requires_grad:
+        return output
+    through = outputs[0].detach() + (x - x.detach())  # value of the block, gradient of identity
+    return _replace_first_tensor(output, through)
+
+
+def _replace_first_tensor(output: Any, tensor: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return tensor
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (
+            type(output)((tensor, *output[1:]))
+            if type(output) is tuple
+            else (output.__class__(tensor, *output[1:]))
+        )
+    if isinstance(output, list) and output and isinstance(output[0], torch.Tensor):
+        return [tensor, *output[1:]]
+    raise BlockCallError(
+        f"a skipped block returned {type(output).__name__}; expected a tensor or a tuple whose "
+        "first element is the hidden state."
+    )
+
+
+def blocks_sharing_parameters(points: list[tuple[str, nn.Module]]) -> list[bool]:
+    """For each block, whether one of its parameters also belongs to another block."""
+    owners: dict[int, set[int]] = {}
+    for position, (_, block) in enumerate(points):
+        for param in block.parameters():
+            owners.setdefault(id(param), set()).add(position)
+    return [any(len(owners[id(p)]) > 1 for p in block.parameters()) for _, block in points]
+
+
+def shared_parameter_owners(model: nn.Module) -> list[tuple[nn.Parameter, list[nn.Module]]]:
+    """Parameters owned by two or more different modules (tied weights), with their owners."""
+    owners: dict[int, tuple[nn.Parameter, list[nn.Module]]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            entry = owners.setdefault(id(param), (param, []))
+            if all(module is not m for m in entry[1]):
+                entry[1].append(module)
+    return [(param, mods) for param, mods in owners.values() if len(mods) > 1]
+
+
+def check_block_output_learns(name: str, block: nn.Module, output: Any) -> bool:
+    """Warn (and say so) when a learning block has trainable parameters but no output graph."""
+    tensors = tensors_in(output)
+    if not torch.is_grad_enabled() or not tensors or any(t.requires_grad for t in tensors):
+        return False
+    if any(p.requires_grad for p in block.parameters()):
+        warn(
+            f"the learning block {name!r} has trainable parameters but its output does not "
+            "require grad, so they will get no gradient. The usual cause is reentrant "
+            "activation checkpointing inside the block: its input comes from the cut and does "
+            "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).",
+            CheckpointAfterCutWarning,
+        )
+        return True
+    return False

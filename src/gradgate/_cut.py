@@ -1,0 +1,405 @@
+"""Where does the graph start? A cut that follows the blocks as they actually run.
+
+A root forward pre-hook remembers the caller's grad mode and turns grad off. Block hooks follow
+the calls: the first learning block that runs turns grad back on (only if the caller had it on);
+a non-learning block that runs after that (called again, or out of order) runs frozen for that
+call, so gradients pass through it but it gets none; a skipped block (DropBP) runs with no graph
+and the gradient passes around it through its residual path. The root forward hook restores
+everything, also when the forward raises; after a ``KeyboardInterrupt`` the next gated forward
+(or the gate's removal) does. Changing the plan is a field write: no hook is added or removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from ._autograd import tensors_in
+from ._block_calls import (
+    blocks_sharing_parameters,
+    check_block_output_learns,
+    distributed_running,
+    freeze_for_call,
+    has_graph,
+    pass_around,
+    require_a_forward,
+    shared_parameter_owners,
+)
+from ._errors import BlockCallWarning, GradgateError, SharedParameterWarning, warn
+from ._frames import (
+    Frame,
+    close_frame,
+    grad_held_off,
+    open_frames,
+    recover_stale_frames,
+    root_call_site,
+)
+from ._handles import Handle
+from ._hooks import GateHook, HookSet
+from ._select import ancestors
+from ._validate import check_choice
+
+PrefixMode = Literal["keep", "eval", "train"]
+
+
+class _Cut(Handle):
+    """Hooks on a root module and its blocks; the plan says which blocks learn or skip."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        points: list[tuple[str, nn.Module]],
+        *,
+        prefix_mode: PrefixMode,
+        check_ranks: bool = False,
+    ) -> None:
+        check_choice("prefix_mode", prefix_mode, get_args(PrefixMode))
+        require_a_forward(model)
+        super().__init__(self._remove_hooks, description=f"cut in {type(model).__name__}")
+        self._model = model
+        self._points = points
+        self._prefix_mode = prefix_mode
+        self._check_ranks = check_ranks
+        self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
+        self._first: int | None = None  # the first block that opens the cut (cached per plan)
+        self._skip: frozenset[int] = frozenset()
+        self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
+        self._warned: set[str] = set()
+        self._stacks = [name.rpartition(".")[0] for name, _ in points]
+        self._shared = shared_parameter_owners(model)
+        self._held: list[nn.Parameter] = []
+        self._shares_params = blocks_sharing_parameters(points)
+        self._ddp_checked = not distributed_running()
+        if not self._ddp_checked:
+            from .distributed import require_find_unused_parameters
+
+            require_find_unused_parameters(model)
+        self._fsdp_restore: Any = None
+        self._fsdp = any(hasattr(m, "set_unshard_in_backward") for _, m in points)
+        self._hooks = HookSet()
+        self._hooks.pre(model, GateHook(self, "_enter_root"), prepend=True)
+        self._hooks.post(model, GateHook(self, "_exit_root"), always_call=True)
+        for position, (_, module) in enumerate(points):
+            self._hooks.pre(
+                module, GateHook(self, "_enter_block", position), with_kwargs=True, prepend=True
+            )
+            self._hooks.post(
+                module, GateHook(self, "_exit_block", position), with_kwargs=True, always_call=True
+            )
+        for index, (_, owners) in enumerate(self._shared):
+            for owner in owners:
+                self._hooks.pre(owner, GateHook(self, "_use_shared", index))
+        self._extra_hooks = HookSet()
+
+    # -- the plan ------------------------------------------------------------------------------
+    def _set_plan(
+        self, learn: range | frozenset[int] | None, extra: tuple[nn.Module, ...] = ()
+    ) -> None:
+        self._require_active()
+        if extra != self._extra:
+            self._extra_hooks.remove()
+            for module in extra:
+                self._extra_hooks.pre(module, GateHook(self, "_enter_extra"))
+        self._learn, self._extra, self._first = learn, extra, None
+        self._apply_to_fsdp()
+
+    def _first_opener(self) -> int:
+        """Position of the first learning block that is not skipped (n when there is none)."""
+        if self._first is None:
+            learn = self._learn or ()
+            if isinstance(learn, range) and not self._skip:
+                self._first = learn.start
+            else:
+                opening = (p for p in learn if p not in self._skip)
+                self._first = min(opening, default=len(self._points))
+        return self._first
+
+    def _apply_to_fsdp(self) -> None:
+        """FSDP2: no all-gather in backward for blocks that backward does not run through."""
+        if not self._fsdp:
+            return
+        from .distributed import apply_plan_to_fsdp
+
+        if self._fsdp_restore is not None:
+            self._fsdp_restore()
+        first = self._first_opener()
+        in_backward = [
+            self._learn is None or (p >= first and p not in self._skip)
+            for p in range(len(self._points))
+        ]
+        self._fsdp_restore = apply_plan_to_fsdp([m for _, m in self._points], in_backward)
+
+    def _plan_key(self) -> tuple[int, ...]:
+        learn = (-1,) if self._learn is None else tuple(sorted(self._learn))
+        return (*learn, -2, *sorted(self._skip), -3, len(self._extra))
+
+    def _require_active(self) -> None:
+        if not self.active:
+            raise GradgateError(
+                f"{self!r} was removed; its plan cannot change. Create a new gate with "
+                "gg.BackpropGate(model)."
+            )
+
+    # -- root hooks ----------------------------------------------------------------------------
+    def _enter_root(self, module: nn.Module, args: Any) -> None:
+        recover_stale_frames()
+        if self._held and not any(f.gate is self for f in open_frames()):
+            self._release()  # the last forward had no backward that reached its output
+        if not self._ddp_checked:  # a gate on ddp.module: find the wrapper once
+            from .distributed import calling_ddp, require_find_unused_parameters
+
+            self._ddp_checked = True
+            require_find_unused_parameters(calling_ddp())
+        if self._check_ranks:
+            from .distributed import check_same_plan
+
+            check_same_plan(self._plan_key())
+        grad = torch.is_grad_enabled()
+        blocking = self._learn is not None and (grad or grad_held_off())
+        frame = Frame(
+            gate=self,
+            call_site=root_call_site(),
+            grad_before=grad,
+            blocking=blocking,
+            training=self._set_prefix_mode() if blocking else [],
+        )
+        open_frames().append(frame)
+        if blocking:
+            torch.set_grad_enabled(False)
+            if torch.is_autocast_cache_enabled():
+                # Autocast caches low-precision copies of weights that require grad until the
+                # autocast region ends, even under no_grad: without the cache the prefix's
+                # copies are freed as soon as each layer is done.
+                frame.autocast_cache = True
+                torch.set_autocast_cache_enabled(False)
+
+    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        frame = self._own_frame()
+        if frame is None:
+            return
+        held, frame.held = frame.held, []
+        if held:
+            self._hold_until_backward(held, output)
+        never_opened = frame.blocking and not frame.opened and frame.grad_before
+        nothing_learns = (
+            frame.blocking
+            and frame.opened
+            and not frame.explained
+            and torch.is_grad_enabled()  # else reentrant checkpointing lost it: warned below
+            and not has_graph(output)
+        )
+        close_frame(frame)
+        self._warn_after_forward(frame, never_opened, nothing_learns)
+
+    # -- block hooks ---------------------------------------------------------------------------
+    def _enter_block(self, position: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        frame = self._own_frame()
+        if frame is None:
+            self._warn_outside_call(position)
+            return
+        if position < frame.last_position and position not in frame.ran:
+            self._warn_once(
+                "order",
+                f"block {self._points[position][0]!r} ran after "
+                f"{self._points[frame.last_position][0]!r}, out of the listed order; depth "
+                "counts blocks in the listed order and the cut follows the run (blocks that "
+                "run after the cut without learning pass gradients but get none). Pass "
+                "blocks=[...] in the order they run if that is what you meant.",
+            )
+        frame.last_position = max(frame.last_position, position)
+        frame.ran.add(position)
+        learns = self._learn is not None and position in self._learn
+        if frame.tentative is not None:
+            if learns:
+                frame.tentative = None
+            else:
+                self._close_again(frame)
+        if learns and position not in self._skip:
+            self._open(frame)
+        elif frame.blocking and not frame.opened and not frame.training:
+            frame.block_training[position] = self._set_prefix_mode(module)
+        if position in self._skip:
+            frame.skipped[position] = torch.is_grad_enabled()
+            torch.set_grad_enabled(False)
+        elif frame.opened and not learns and torch.is_grad_enabled():
+            frame.frozen[position] = freeze_for_call(module)
+
+    def _exit_block(
+        self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> Any:
+        frame = self._own_frame()
+        if frame is None:
+            return None
+        frozen = frame.frozen.pop(position, [])
+        if self._shares_params[position]:
+            for param in frozen:
+                param.requires_grad_(True)  # another block may learn with them later
+        else:
+            frame.held.extend(frozen)
+        for block_module, training in frame.block_training.pop(position, ()):
+            block_module.training = training
+        if position in frame.skipped:
+            torch.set_grad_enabled(frame.skipped.pop(position))
+            output = pass_around(self._points[position][0], args, kwargs, output)
+        elif frame.opened and self._learn is not None and position in self._learn:
+            frame.explained |= check_block_output_learns(self._points[position][0], module, output)
+        if frame.blocking and not frame.opened and self._opens_after(position):
+            frame.tentative = position
+            self._open(frame)
+        return output
+
+    def _enter_extra(self, module: nn.Module, args: Any) -> None:
+        frame = self._own_frame()
+        if frame is not None:
+            frame.tentative = None
+            self._open(frame)
+
+    def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
+        frame = self._own_frame()
+        if frame is not None and frame.blocking:
+            frame.shared_uses.setdefault(index, set()).add(frame.opened)
+
+    # -- opening and closing the cut -----------------------------------------------------------
+    def _opens_after(self, position: int) -> bool:
+        """Whether the cut opens, for now, right after this non-learning block.
+
+        It does inside the stack (the container) of the first learner, or of the last block when
+        only what runs after the blocks learns: the next non-learning block of the stack closes
+        it again, a learner keeps it open. So the code between blocks (where a learner may be
+        called through ``checkpoint()``) sees grad on, and blocks skipped by LayerDrop cannot
+        keep the cut shut.
+        """
+        assert self._learn is not None
+        first = min(self._first_opener(), len(self._points) - 1)
+        opens = position in self._learn and position not in self._skip
+        return not opens and self._stacks[position] == self._stacks[first]
+
+    def _open(self, frame: Frame) -> None:
+        if not frame.blocking or frame.opened:
+            return
+        frame.opened = True
+        if frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(frame.autocast_cache)
+        for prefix_module, training in frame.training:
+            prefix_module.training = training
+        frame.training = []
+        if not grad_held_off():
+            torch.set_grad_enabled(True)  # a blocking frame always traces back to grad on
+
+    def _close_again(self, frame: Frame) -> None:
+        frame.tentative = None
+        frame.opened = False
+        torch.set_grad_enabled(False)
+        if frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(False)
+
+    def _own_frame(self) -> Frame | None:
+        for frame in reversed(open_frames()):
+            if frame.gate is self:
+                return frame
+        return None
+
+    # -- what lies before the cut --------------------------------------------------------------
+    def _set_prefix_mode(self, block: nn.Module | None = None) -> list[tuple[nn.Module, bool]]:
+        """Put what may run before the cut in the prefix mode: the whole model, or one block.
+
+        Containers of blocks keep their mode (their forward also runs the learning part); the
+        modes come back when the cut opens, so what runs after it is untouched. A block that
+        runs before the cut after it opened once (it closes again between blocks) gets the
+        prefix mode for its own call.
+        """
+        if self._prefix_mode == "keep":
+            return []
+        keep = {""} | {a for name, _ in self._points for a in ancestors(name)}
+        changed = []
+        named = self._model.named_modules() if block is None else block.named_modules(prefix="·")
+        for name, module in named:
+            if name not in keep:
+                changed.append((module, module.training))
+                module.training = self._prefix_mode == "train"
+        return changed
+
+    # -- diagnostics ---------------------------------------------------------------------------
+    def _warn_after_forward(self, frame: Frame, never_opened: bool, nothing_learns: bool) -> None:
+        if never_opened:
+            warn(  # every time: it is about this step
+                "the cut never opened in this forward, so nothing in it learns: no learning "
+                "block ran (LayerDrop skipped every block of the stack, or the plan names blocks "
+                "that did not run). Lower the layerdrop probability, or choose a plan with a "
+                "block that always runs.",
+                BlockCallWarning,
+            )
+        if nothing_learns:
+            self._warn_once(
+                "nothing-learns",
+                "nothing that runs after the cut has trainable parameters (nothing runs after "
+                "the last block, or all of it has requires_grad=False, e.g. a frozen head with "
+                "adapters only in cut-off blocks), so the output has no graph and backward "
+                "would fail. Choose a larger depth, or unfreeze a module after the cut.",
+            )
+        straddling = [i for i, when in frame.shared_uses.items() if when == {False, True}]
+        if straddling and "shared" not in self._warned:
+            self._warned.add("shared")
+            names = {id(m): n for n, m in self._model.named_modules(remove_duplicate=False)}
+            uses = [names.get(id(m), "?") for m in self._shared[straddling[0]][1]]
+            warn(
+                f"a parameter shared by {uses[0]!r} and {uses[1]!r} is used before the cut "
+                "and again after it: only the use after the cut gets a gradient, so its .grad "
+                "differs from full backprop. Untie the weights, or accept the partial gradient "
+                "(the usual choice for tied embeddings).",
+                SharedParameterWarning,
+            )
+
+    def _warn_outside_call(self, position: int) -> None:
+        if self._learn is None or not torch.is_grad_enabled() or grad_held_off():
+            return
+        if torch._C._current_autograd_node() is not None:
+            return  # activation checkpointing recomputing the block during backward
+        self._warn_once(
+            "outside",
+            f"block {self._points[position][0]!r} ran outside a call of the gated "
+            f"{type(self._model).__name__}, so the cut does not apply to it and it learns "
+            "fully. Call the gated model itself, or gate the module you call.",
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn(message, BlockCallWarning)
+
+    def _hold_until_backward(self, params: list[nn.Parameter], output: Any) -> None:
+        """Keep blocks that ran frozen looking frozen until backward is done with this graph.
+
+        Activation checkpointing recomputes a block's forward during backward, with no module
+        hook around it; it must see the same ``requires_grad`` as the forward did.
+        """
+        self._held.extend(params)
+        graph = [t for t in tensors_in(output) if t.requires_grad]
+        if not graph:
+            self._release()
+            return
+        queued = []
+
+        def at_backward(grad: torch.Tensor) -> None:
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(self._release)
+
+        for tensor in graph:
+            tensor.register_hook(at_backward)
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        for param in held:
+            param.requires_grad_(True)
+
+    def _remove_hooks(self) -> None:
+        for frame in [f for f in open_frames() if f.gate is self]:
+            close_frame(frame)
+        self._release()
+        self._hooks.remove()
+        self._extra_hooks.remove()
+        if self._fsdp_restore is not None:
+            self._fsdp_restore()

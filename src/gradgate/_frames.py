@@ -1,0 +1,117 @@
+"""The state of each gated forward running in a thread, and how it is put back exactly.
+
+A forward of a gated model pushes a :class:`Frame`: the caller's grad mode, what the gate
+changed (train flags, autocast's cache, parameters frozen for a call). Frames are per thread
+(grad mode is too). ``KeyboardInterrupt`` and ``SystemExit`` skip torch's ``always_call``
+hooks, so a frame can outlive its call: the next gated forward finds it gone from the Python
+stack and closes it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import CheckpointAfterCutWarning, warn
+
+_THREAD = threading.local()  # the gated root forwards running in this thread, outermost first
+
+
+def open_frames() -> list[Frame]:
+    frames: list[Frame] | None = getattr(_THREAD, "frames", None)
+    if frames is None:
+        frames = _THREAD.frames = []
+    return frames
+
+
+@dataclass(eq=False)
+class Frame:
+    """What one gated root forward changed, so that it can be put back exactly."""
+
+    gate: Any  # the _Cut that pushed it
+    call_site: FrameType | None  # the root's Python call frame: gone from the stack = stale
+    grad_before: bool
+    blocking: bool
+    training: list[tuple[nn.Module, bool]]
+    autocast_cache: bool | None = None  # the cache setting to restore at the cut, if changed
+    opened: bool = False
+    tentative: int | None = None  # opened after this block; a later non-learner closes again
+    last_position: int = -1
+    ran: set[int] = field(default_factory=set)
+    frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
+    held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
+    skipped: dict[int, bool] = field(default_factory=dict)
+    block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
+    explained: bool = False  # a warning already said why the output may have no graph
+    shared_uses: dict[int, set[bool]] = field(default_factory=dict)
+
+
+def grad_held_off() -> bool:
+    """Whether some gated forward in this thread is still before its cut."""
+    return any(f.blocking and not f.opened for f in open_frames())
+
+
+def close_frame(frame: Frame) -> None:
+    """Put back what one root forward changed: grad mode, train flags, frozen parameters."""
+    frames = open_frames()
+    if frame not in frames:
+        return
+    held_before = grad_held_off()
+    frames.remove(frame)
+    for params in [*frame.frozen.values(), frame.held]:
+        for param in params:
+            param.requires_grad_(True)
+    for module, training in frame.training:
+        module.training = training
+    if frame.autocast_cache is not None:
+        torch.set_autocast_cache_enabled(frame.autocast_cache)
+    if frame.blocking and held_before and not grad_held_off():
+        torch.set_grad_enabled(True)
+    elif frame.blocking and frame.opened and not torch.is_grad_enabled() and frame.grad_before:
+        torch.set_grad_enabled(True)
+        warn_lost_grad_mode()
+    frame.call_site = None
+
+
+def root_call_site() -> FrameType:
+    """The Python frame of the root module's call that is running the hooks now."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame or sys._getframe(2)
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def recover_stale_frames() -> None:
+    """Close frames whose root call ended without its hooks (KeyboardInterrupt, SystemExit)."""
+    frames = open_frames()
+    if not frames:
+        return
+    live: set[int] = set()
+    caller: FrameType | None = sys._getframe(1)
+    while caller is not None:
+        live.add(id(caller))
+        caller = caller.f_back
+    for frame in reversed(frames):
+        if frame.call_site is None or id(frame.call_site) not in live:
+            close_frame(frame)
+
+
+def warn_lost_grad_mode() -> None:
+    warn(
+        "grad mode was switched on at the cut but was off again when the forward ended, so "
+        "nothing after the cut will get gradients. The usual cause is reentrant activation "
+        "checkpointing around the first learning block: its inputs come from the cut and do "
+        "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
+        "(for transformers: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})).",
+        CheckpointAfterCutWarning,
+    )
