@@ -60,7 +60,8 @@ class Handle:
             raise HandleUsedError(
                 f"{self!r} was already undone, so entering it again would do nothing; "
                 "expected a live handle. To apply the same thing again, call gradgate again "
-                "(e.g. `with gg.frozen(model, ...):` inside the loop) for a fresh handle."
+                "for a fresh handle: put the call itself inside the loop, e.g. "
+                "`for batch in data: with gg.frozen(model, ...): ...`."
             )
         return self
 
