@@ -1,78 +1,220 @@
-"""gradgate bench: the JSON schema, and gradgate's counts equal the hand-written ideal."""
+"""gradgate bench: options, device selection, cycle-free measuring, gradgate = ideal, the JSON."""
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
+import resource
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
 import gradgate as gg
-from gradgate import bench
-from gradgate._bench import measure, report
+from gradgate import _bench
+from gradgate._bench import device, measure, report, table
+from gradgate._bench.catalog import FACTORIES
 from gradgate._bench.methods import METHODS, Runner, configurations
-from gradgate._bench.workloads import FACTORIES
 
-SMALL = {"transformer": 3, "gpt2": 3, "conv_stack": 4}
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    folder = tmp_path_factory.mktemp("bench")
-    argv = ["--tiny", "--repeats", "1", "--no-progress", "--no-overheads"]
-    argv += ["--json", str(folder / "bench.json"), "--plot", str(folder / "bench.png")]
-    assert bench.main(argv) == 0
-    return json.loads((folder / "bench.json").read_text()), str(folder / "bench.png")
+SMALL = {"transformer": 3, "gpt2": 3, "llama": 3, "conv_stack": 4}
+CPU = torch.device("cpu")
 
 
-def test_tiny_bench_writes_the_exact_schema(tiny_run: tuple[dict, str]) -> None:
-    document, plot = tiny_run
-    assert set(document) == {"machine", "results", "compile"}
-    assert {row["model"] for row in document["results"]} == set(FACTORIES)
-    for row in document["results"]:
-        assert list(row) == list(report.RESULT_KEYS)
-        assert row["depth"] is None or type(row["depth"]) is int
-        assert row["method"] in METHODS
-        assert row["step_seconds"] > 0
-        assert isinstance(row["backward_flops"], int)
-        assert isinstance(row["saved_bytes"], int)
-        assert row["peak_rss_bytes"] is None or row["peak_rss_bytes"] > 0
-    assert [row["method"] for row in document["compile"]] == ["toggle+compile", "gradgate+compile"]
-    for row in document["compile"]:
-        assert list(row) == list(report.COMPILE_KEYS)
-    with open(plot, "rb") as png:
-        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gradgate")
+    _bench.add_command(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
 
 
-def test_tiny_bench_gradgate_counts_equal_ideal(tiny_run: tuple[dict, str]) -> None:
-    rows = {(r["model"], r["method"], r["depth"]): r for r in tiny_run[0]["results"]}
-    for (model, method, depth), row in rows.items():
-        if method == "gradgate":
-            ideal = rows[model, "ideal", depth]
-            assert row["backward_flops"] == ideal["backward_flops"]
-            assert row["saved_bytes"] == ideal["saved_bytes"]
+# -- the command line ----------------------------------------------------------------------------
+def test_add_command_sets_run_and_defaults() -> None:
+    args = parse()
+    assert args.run is _bench.run_command
+    assert (args.device, args.amp, args.repeats, args.models) == ("cpu", "none", None, None)
+    assert args.json == Path("gradgate-out/bench.json")
 
 
+def test_models_are_the_catalog() -> None:
+    assert tuple(FACTORIES) == _bench.MODELS
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--repeats", "0"],
+            "argument --repeats: '0' is not allowed; expected an integer from 1 to 1000",
+        ),
+        (
+            ["--repeats", "x"],
+            "argument --repeats: 'x' is not allowed; expected an integer from 1 to 1000",
+        ),
+        (
+            ["--warmup", "-1"],
+            "argument --warmup: '-1' is not allowed; expected an integer from 0 to 100",
+        ),
+        (
+            ["--device", "tpu"],
+            "argument --device: 'tpu' is not allowed; expected cpu, cuda or cuda:N",
+        ),
+        (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+        (["--quick", "--tiny"], "argument --tiny: not allowed with argument --quick"),
+    ],
+)
+def test_bad_options_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        parse(*argv)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error
+
+
+def test_help_names_every_option_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = capsys.readouterr().out
+    for option in ("--device", "--amp", "--json", "--plot", "--markdown", "--from-json"):
+        assert option in text
+    assert "``" not in text and "DESIGN" not in text
+
+
+def test_command_line_is_the_canonical_command() -> None:
+    args = parse("--tiny", "--models", "llama", "--repeats", "2", "--no-compile", "--json", "x")
+    assert (
+        _bench.command_line(args) == "gradgate bench --tiny --models llama --repeats 2 --no-compile"
+    )
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import gradgate._bench\n"
+        "heavy = {'transformers', 'matplotlib', 'tqdm'} & (set(sys.modules) - before)\n"
+        "print(sorted(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_missing_optional_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        _bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    with pytest.raises(gg.GradgateError, match=r'pip install "gradgate\[bench\]"') as error:
+        _bench.run_command(parse("--tiny", "--models", "llama", "--no-plot"))
+    assert "'transformers'" in str(error.value)
+    assert "--models transformer conv_stack" in str(error.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _bench.main(["--device", "cuda", "--tiny", "--no-plot"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--device cuda: CUDA is not available here" in err
+    assert "use --device cpu" in err
+
+
+# -- the device-specific part is small, and chosen by device ---------------------------------------
+def test_meter_is_chosen_by_device() -> None:
+    cpu, cuda = device.meter_for(CPU), device.meter_for(torch.device("cuda"))
+    assert (cpu.seconds, cpu.peak_bytes) == (device.wall_seconds, device.rss_peak_bytes)
+    assert (cuda.seconds, cuda.peak_bytes) == (device.cuda_seconds, device.cuda_peak_bytes)
+    assert "CUDA events" in cuda.timing and "max_memory_allocated" in cuda.peak
+
+
+def test_resolve_gives_cuda_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device.resolve("cuda:1") == torch.device("cuda:1")
+    assert device.resolve("cpu") == CPU
+
+
+def test_cuda_peak_is_the_step_peak_above_what_was_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {"allocated": 1000, "peak": 1000}
+
+    def step() -> None:
+        state["peak"] = 1000 + 4096
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=1000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    assert device.cuda_peak_bytes(step) == 4096
+
+
+def test_rss_peak_belongs_to_the_step() -> None:
+    size = device.rss_peak_bytes(lambda: torch.ones(8_000_000).add_(1).sum().item())
+    assert size is None or size > 30_000_000
+    small = device.rss_peak_bytes(lambda: None)
+    assert small is None or small < 8_000_000
+
+
+def test_wall_seconds_times_the_step() -> None:
+    assert 0.04 < device.wall_seconds(lambda: time.sleep(0.05)) < 1.0
+
+
+# -- measuring keeps nothing alive ---------------------------------------------------------------
+@pytest.mark.parametrize("op", [torch.sigmoid, torch.tanh, lambda t: t.softmax(-1)])
+def test_saved_bytes_keeps_no_saved_output_alive(op) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(256, requires_grad=True)
+    refs = []
+
+    def forward() -> None:
+        out = op(x)  # saves its own output for backward; no backward runs
+        refs.append(weakref.ref(out))
+
+    assert measure.saved_bytes_during(forward) == 256 * 4
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_saved_bytes_counts_each_storage_once_and_skips_excluded() -> None:
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(8, 64)
+
+    def forward() -> None:
+        h = x @ w  # saves x (and w, excluded)
+        (h * h).sum()  # saves h once, though twice as an input
+
+    assert measure.saved_bytes_during(forward, exclude=[w]) == (8 * 64 + 8 * 64) * 4
+
+
+# -- the methods: gradgate equals the ideal, and each trains exactly the suffix ------------------
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_every_depth_gradgate_flops_and_saved_bytes_equal_ideal(name: str) -> None:
     workload = FACTORIES[name](size="tiny", n=SMALL[name])
     runner = Runner(workload)
     try:
+        full = measure.backward_flops(runner, "full", None)
         for depth in [*range(SMALL[name] + 1), None]:
-            for figure in (measure.backward_flops, measure.saved_bytes):
-                gate, ideal = figure(runner, "gradgate", depth), figure(runner, "ideal", depth)
-                assert gate == ideal, (figure.__name__, depth)
+            gate, ideal = (
+                measure.counts(runner, "gradgate", depth),
+                measure.counts(runner, "ideal", depth),
+            )
+            assert gate == ideal, depth
+            assert gate["saved_bytes"] == measure.saved_bytes(runner, "ideal", depth)
             if depth is not None and depth < SMALL[name]:
-                full = measure.backward_flops(runner, "full", None)
                 assert measure.backward_flops(runner, "gradgate", depth) < full
     finally:
         runner.close()
 
 
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_methods_train_exactly_the_suffix(name: str) -> None:
-    workload = FACTORIES[name](size="tiny", n=SMALL[name])
-    runner = Runner(workload)
+@pytest.mark.parametrize(("name", "amp"), [(n, None) for n in FACTORIES] + [("llama", "bf16")])
+def test_methods_train_exactly_the_suffix(name: str, amp: str | None) -> None:
+    runner = Runner(FACTORIES[name](size="tiny", n=SMALL[name]), amp=amp)
     try:
         for depth in [0, 1, None]:
             frozen = {id(p) for p in runner.prefix(depth)}
@@ -86,6 +228,22 @@ def test_methods_train_exactly_the_suffix(name: str) -> None:
                 assert learned == expected, (method, depth)
                 assert all(p.requires_grad for p in model.parameters())
                 model.zero_grad(set_to_none=True)
+    finally:
+        runner.close()
+
+
+def test_gradgate_gradients_equal_the_ideal_under_bf16_autocast() -> None:
+    runner = Runner(FACTORIES["transformer"](size="tiny", n=3), amp="bf16")
+    try:
+        runner.gated.load_state_dict(runner.model.state_dict())
+        runner.step("gradgate", 1, keep_grads=True)
+        runner.step("ideal", 1, keep_grads=True)
+        gated = dict(runner.gated.named_parameters())
+        for name, param in runner.model.named_parameters():
+            if param.grad is None:
+                assert gated[name].grad is None, name
+            else:
+                torch.testing.assert_close(gated[name].grad, param.grad, msg=name)
     finally:
         runner.close()
 
@@ -107,6 +265,37 @@ def test_configurations_measure_full_once() -> None:
     assert ("gradgate", None) in pairs
 
 
+# -- the table and the JSON ----------------------------------------------------------------------
+def _document() -> dict:
+    row = dict.fromkeys(report.RESULT_KEYS)
+    full = {**row, "model": "m", "method": "full", "step_seconds": 0.2, "backward_flops": 100,
+            "saved_bytes": 2**20, "peak_bytes": 2**21}  # fmt: skip
+    rows = [full]
+    for method, seconds, flops, peak in [
+        ("late-freeze", 0.2, 100, 2**21),
+        ("toggle", 0.11, 40, 2**20),
+        ("gradgate", 0.1, 40, 2**19),
+        ("ideal", 0.1, 40, 2**19),
+    ]:
+        rows.append({**full, "method": method, "depth": 1, "step_seconds": seconds,
+                     "backward_flops": flops, "peak_bytes": peak})  # fmt: skip
+    machine = {"command": "gradgate bench --device cuda --amp bf16", "device_name": "cuda (H100)",
+               "amp": "bf16"}  # fmt: skip
+    return {"machine": machine, "results": rows, "compile": []}
+
+
+def test_table_names_device_amp_and_command_in_both_formats() -> None:
+    document = _document()
+    text, markdown = table.render(document), table.render(document, fmt="markdown")
+    first = "gradgate bench on cuda (H100), bf16 autocast (float32 weights) "
+    first += "(command: gradgate bench --device cuda --amp bf16)"
+    assert text.splitlines()[0] == markdown.splitlines()[0] == first
+    cells = ["1", "1.000", "0.50", "1.10", "2.00", "1 (=)", "0.40", "1.00", "1 (=)", "1.00"]
+    cells += ["1.000", "0.500"]
+    assert "| " + " | ".join(cells) + " |" in markdown
+    assert " ".join(text.splitlines()[-1].split()) == " ".join(cells)
+
+
 def test_validate_rejects_other_schemas() -> None:
     with pytest.raises(ValueError, match="top-level keys"):
         report.validate({"machine": {}, "results": []})
@@ -116,11 +305,72 @@ def test_validate_rejects_other_schemas() -> None:
         report.validate({"machine": {}, "results": [row], "compile": []})
 
 
-def test_bad_repeats_is_a_clear_error() -> None:
-    with pytest.raises(gg.InvalidOptionError, match="--repeats 0; expected an integer >= 1"):
-        bench.main(["--repeats", "0"])
+def test_from_json_prints_a_saved_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bench.json"
+    report.write_json(_document(), path)
+    assert _bench.run_command(parse("--from-json", str(path), "--no-plot", "--markdown")) == 0
+    assert capsys.readouterr().out.strip() == table.render(_document(), fmt="markdown")
 
 
-def test_peak_rss_is_measured_per_step() -> None:
-    size = measure.peak_rss_bytes(lambda: torch.ones(4_000_000).sum().item())
-    assert size is None or size > 16_000_000
+def test_from_json_rejects_another_file(tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text('{"results": []}')
+    with pytest.raises(gg.InvalidOptionError, match="not a gradgate bench JSON file"):
+        _bench.run_command(parse("--from-json", str(path), "--no-plot"))
+
+
+@pytest.mark.slow
+def test_tiny_bench_writes_the_schema_and_gradgate_equals_ideal(tmp_path: Path) -> None:
+    argv = ["--tiny", "--repeats", "1", "--no-progress", "--no-overheads"]
+    argv += ["--models", "transformer", "llama", "--no-compile"]
+    argv += ["--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert _bench.main(argv) == 0
+    document = json.loads((tmp_path / "b.json").read_text())
+    assert document["machine"]["command"] == (
+        "gradgate bench --tiny --models transformer llama --repeats 1 --no-compile --no-overheads"
+    )
+    assert document["machine"]["device"] == "cpu"
+    assert {row["model"] for row in document["results"]} == {"transformer", "llama"}
+    rows = {(r["model"], r["method"], r["depth"]): r for r in document["results"]}
+    for (model, method, depth), row in rows.items():
+        assert list(row) == list(report.RESULT_KEYS)
+        assert row["step_seconds"] > 0
+        if method == "gradgate":
+            ideal = rows[model, "ideal", depth]
+            assert row["backward_flops"] == ideal["backward_flops"]
+            assert row["saved_bytes"] == ideal["saved_bytes"]
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quick_bench_stays_quick(tmp_path: Path) -> None:
+    """Under a minute of CPU time on one thread: the wall time on a quiet 2-core machine (CPU
+    time, not wall time, so that other processes on a shared machine do not fail it)."""
+    argv = ["--quick", "--threads", "1", "--no-progress", "--no-plot"]
+    argv += ["--json", str(tmp_path / "q.json")]
+    code = f"import sys; from gradgate._bench import main; sys.exit(main({argv!r}))"
+    start = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    end = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime
+    assert cpu_seconds < 60
+    document = json.loads((tmp_path / "q.json").read_text())
+    assert len({row["model"] for row in document["results"]}) == 4
+
+
+def test_attention_backward_is_counted_on_the_cpu_too() -> None:
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    counter = measure.flop_counter()
+    with counter:
+        out.sum().backward()
+    attention = 2 * 2 * 4 * 5 * (8 * 16 * 8)  # five batched matmuls over (batch x heads)
+    assert counter.get_total_flops() >= attention
+
+
+def test_a_failing_torch_formula_falls_back() -> None:
+    def broken(*args: object, out_val: object = None) -> int:
+        raise AssertionError("mismatch")
+
+    formula = measure._first_that_counts(broken, lambda *args, out_val=None: 7)
+    assert formula(1, 2, out_val=None) == 7 and formula._get_raw is True

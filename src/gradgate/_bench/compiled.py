@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._compile import compile_blocks
-from .._gate import BackpropGate
+import gradgate as gg
+
 from .workloads import Depth, Size, transformer
 
 _LIMIT_MESSAGE = "hit config.recompile_limit"
@@ -54,14 +54,19 @@ def schedule(n: int, *, seed: int = 0) -> tuple[list[Depth], list[Depth]]:
 
 
 def compile_counts(
-    method: str, *, backend: str = "aot_eager", size: Size = "tiny", n: int = 12
+    method: str,
+    *,
+    backend: str = "aot_eager",
+    size: Size = "tiny",
+    n: int = 12,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """``{"method", "graphs", "recompiles"}`` for ``toggle+compile`` or ``gradgate+compile``."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     start = int(counters["stats"]["unique_graphs"])
-    workload = transformer(size=size, n=n, d_model=32 if size != "tiny" else None)
+    workload = transformer(size=size, n=n, d_model=32 if size != "tiny" else None, device=device)
     model, batch = workload.model, workload.batch
     warm, rest = schedule(n)
     watcher = _LimitWatcher()
@@ -84,8 +89,8 @@ def compile_counts(
             graphs = _run(step, rest, counters)
         elif method == "gradgate+compile":
             with (
-                compile_blocks(model, workload.blocks, backend=backend),
-                BackpropGate(model, workload.blocks) as gate,
+                gg.compile_blocks(model, workload.blocks, backend=backend),
+                gg.BackpropGate(model, blocks=workload.blocks) as gate,
             ):
 
                 def step(depth: Depth) -> None:
@@ -96,7 +101,9 @@ def compile_counts(
                 graphs_at_warm = _run(step, warm, counters)
                 graphs = _run(step, rest, counters)
         else:
-            raise ValueError(method)
+            raise gg.InvalidOptionError(
+                f"compile method {method!r}; expected 'toggle+compile' or 'gradgate+compile'."
+            )
     finally:
         dynamo_log.removeFilter(watcher)
     return {

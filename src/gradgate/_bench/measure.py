@@ -1,23 +1,75 @@
-"""Measurements of one step: backward FLOPs, bytes saved for backward, peak RSS, time."""
+"""Counts for one step: backward FLOPs and bytes saved for backward (device-independent).
+
+Time and peak memory depend on the device: see :mod:`.device`.
+"""
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from .methods import Runner
 from .workloads import Depth
 
+_ATTENTION_BACKWARD = (
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+)
+
+
+def flop_counter() -> Any:
+    """A ``FlopCounterMode`` that also counts attention backward where torch cannot: CPU flash
+    attention (no formula registered) and the GPU kernels on torch versions whose formula
+    raises on them (the audit's attention formula is used there)."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    from .._audit.flops import attention_backward_flops
+
+    mapping = {}
+    for name in _ATTENTION_BACKWARD:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            mapping[packet] = _first_that_counts(
+                flop_registry.get(packet), attention_backward_flops
+            )
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def _first_that_counts(primary: Callable[..., int] | None, fallback: Callable[..., int]) -> Any:
+    def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        if primary is not None:
+            try:
+                return primary(*args, out_val=out_val, **kwargs)
+            except Exception:  # torch 2.11's formula asserts on some attention layouts
+                pass
+        return fallback(*args, out_val=out_val, **kwargs)
+
+    formula._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors
+    return formula
+
+
+def counts(runner: Runner, method: str, depth: Depth) -> dict[str, int]:
+    """Backward FLOPs and bytes saved for backward of one step (one step measures both)."""
+    counter = flop_counter()
+
+    def counted(loss: torch.Tensor) -> None:
+        with counter:
+            loss.backward()
+
+    model = runner.model_for(method)
+    saved = saved_bytes_during(
+        lambda: runner.step(method, depth, backward=counted), exclude=model.parameters()
+    )
+    return {"backward_flops": int(counter.get_total_flops()), "saved_bytes": saved}
+
 
 def backward_flops(runner: Runner, method: str, depth: Depth) -> int:
     """FLOPs that ``loss.backward()`` runs (``FlopCounterMode`` around the backward only)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
 
     def counted(loss: torch.Tensor) -> None:
         with counter:
@@ -28,46 +80,40 @@ def backward_flops(runner: Runner, method: str, depth: Depth) -> int:
 
 
 def saved_bytes(runner: Runner, method: str, depth: Depth) -> int:
-    """Bytes autograd saves for backward: each storage once, parameters excluded."""
+    """Bytes autograd saves for backward during one step: each storage once, parameters
+    excluded."""
     model = runner.model_for(method)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    return saved_bytes_during(lambda: runner.step(method, depth), exclude=model.parameters())
+
+
+def saved_bytes_during(step: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``step()`` runs.
+
+    The pack hook records the storage and keeps only a detached alias: packing the tensor
+    itself would make a reference cycle (an output saved by its own ``grad_fn``, as
+    ``sigmoid`` does) that keeps it alive, even after ``gc.collect()``, when no backward runs.
+
+    >>> x = torch.ones(1000, requires_grad=True)
+    >>> saved_bytes_during(lambda: x.sigmoid())
+    4000
+    """
+    excluded = {_storage_key(tensor) for tensor in exclude}
+    sizes: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in params:
-            seen.setdefault(key, storage.nbytes())
-        return tensor
+        key = _storage_key(tensor)
+        if key not in excluded:
+            sizes.setdefault(key, tensor.untyped_storage().nbytes())
+        return tensor.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        runner.step(method, depth)
-    return sum(seen.values())
-
-
-def peak_rss_bytes(step: Callable[[], None]) -> int | None:
-    """Peak resident memory of this process during ``step()``, or None where not measurable.
-
-    Frees what the allocator holds (``malloc_trim``), resets the kernel's high-water mark
-    (``/proc/self/clear_refs``) and reads ``VmHWM`` after the step (Linux only).
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        return None
-    step()
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return None
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        step()
+    return sum(sizes.values())
 
 
-def timed(step: Callable[[], None]) -> float:
-    """Wall seconds of one call."""
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().data_ptr())

@@ -7,20 +7,26 @@
 * ``ideal``: the hand-written prefix under ``torch.no_grad()``, then the suffix.
 
 ``gradgate`` runs on its own copy of the model so that its hooks never touch the others.
+With ``amp`` set, every method runs its forward and loss under ``torch.autocast`` (the
+backward and the optimizer step outside it, as usual); the parameters stay float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._gate import BackpropGate
+import gradgate as gg
+
 from .workloads import Depth, Workload
 
 METHODS = ("full", "late-freeze", "toggle", "gradgate", "ideal")
+AMP_DTYPES = {"bf16": torch.bfloat16}
 
 
 def configurations(depths: list[Depth]) -> list[tuple[str, Depth]]:
@@ -42,11 +48,12 @@ def configurations(depths: list[Depth]) -> list[tuple[str, Depth]]:
 class Runner:
     """Holds a workload's plain model, a gated copy, their optimizers; runs steps."""
 
-    def __init__(self, workload: Workload, *, lr: float = 1e-4) -> None:
+    def __init__(self, workload: Workload, *, lr: float = 1e-4, amp: str | None = None) -> None:
         self.workload = workload
+        self.amp = amp
         self.model = workload.model
         self.gated = copy.deepcopy(workload.model)
-        self.gate = BackpropGate(self.gated, workload.blocks)
+        self.gate = gg.BackpropGate(self.gated, blocks=workload.blocks)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.gated_optimizer = torch.optim.SGD(self.gated.parameters(), lr=lr)
         self._prefix: dict[Depth, list[torch.Tensor]] = {}
@@ -88,18 +95,30 @@ class Runner:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` on the workload's device when ``amp`` is set, else nothing."""
+        if self.amp is None:
+            return contextlib.nullcontext()
+        device_type = self.workload.batch.device.type
+        return torch.autocast(device_type, dtype=AMP_DTYPES[self.amp])
+
+    def loss(self, model: nn.Module, depth: Depth = None, *, ideal: bool = False) -> torch.Tensor:
+        """The loss of one forward (the hand-written ideal one with ``ideal=True``)."""
+        w = self.workload
+        with self.autocast():
+            output = w.ideal_forward(model, w.batch, depth) if ideal else w.forward(model, w.batch)
+            return w.loss(output)
+
     def close(self) -> None:
         """Remove the gate's hooks."""
         self.gate.remove()
 
     # -- the methods -------------------------------------------------------------------------
     def _full(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        w = self.workload
-        backward(w.loss(w.forward(self.model, w.batch)))
+        backward(self.loss(self.model))
 
     def _late_freeze(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        w = self.workload
-        loss = w.loss(w.forward(self.model, w.batch))
+        loss = self.loss(self.model)
         prefix = self.prefix(depth)
         for param in prefix:
             param.requires_grad_(False)
@@ -110,24 +129,21 @@ class Runner:
                 param.requires_grad_(True)
 
     def _toggle(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        w = self.workload
         frozen = {id(param) for param in self.prefix(depth)}
         for param in self.model.parameters():
             param.requires_grad_(id(param) not in frozen)
         try:
-            backward(w.loss(w.forward(self.model, w.batch)))
+            backward(self.loss(self.model))
         finally:
             for param in self.model.parameters():
                 param.requires_grad_(True)
 
     def _gradgate(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        w = self.workload
         self.gate.depth = depth
-        backward(w.loss(w.forward(self.gated, w.batch)))
+        backward(self.loss(self.gated))
 
     def _ideal(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        w = self.workload
-        backward(w.loss(w.ideal_forward(self.model, w.batch, depth)))
+        backward(self.loss(self.model, depth, ideal=True))
 
 
 def _plain_backward(loss: torch.Tensor) -> None:

@@ -1,4 +1,7 @@
-"""The benchmark's outputs: a text table, the JSON file and a PNG plot (matplotlib, lazily)."""
+"""The benchmark's files: the JSON document (schema checked) and a PNG plot (matplotlib, lazily).
+
+The table lives in :mod:`.table`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .._errors import InvalidOptionError
 from .methods import METHODS
+from .table import heading
 
 RESULT_KEYS = (
     "model",
@@ -16,14 +21,27 @@ RESULT_KEYS = (
     "step_seconds",
     "backward_flops",
     "saved_bytes",
-    "peak_rss_bytes",
+    "peak_bytes",
 )
 COMPILE_KEYS = ("method", "graphs", "recompiles")
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A document written by :func:`write_json`; a clear error when it is not one."""
+    try:
+        document = json.loads(path.read_text())
+        validate(document)
+    except (OSError, ValueError) as error:
+        raise InvalidOptionError(
+            f"--from-json {path}: not a gradgate bench JSON file ({error}); expected the file "
+            "written by gradgate bench --json."
+        ) from None
+    return document  # type: ignore[no-any-return]
+
+
 def validate(document: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless the document has exactly the bench's JSON schema."""
-    if set(document) != {"machine", "results", "compile"}:
+    if not isinstance(document, dict) or set(document) != {"machine", "results", "compile"}:
         raise ValueError(f"top-level keys {sorted(document)}")
     if not isinstance(document["machine"], dict):
         raise ValueError("machine is not an object")
@@ -38,6 +56,7 @@ def validate(document: dict[str, Any]) -> None:
 
 
 def write_json(document: dict[str, Any], path: Path) -> None:
+    """Write the document as indented JSON, after checking its schema."""
     validate(document)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")
@@ -45,61 +64,6 @@ def write_json(document: dict[str, Any], path: Path) -> None:
 
 def _label(depth: int | None) -> str:
     return "all" if depth is None else str(depth)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.3f}"
-
-
-def table(document: dict[str, Any]) -> str:
-    """Per model: median step ms per method and depth, and the ratios that matter."""
-    lines: list[str] = []
-    rows = document["results"]
-    for model in dict.fromkeys(row["model"] for row in rows):
-        mine = {(r["method"], r["depth"]): r for r in rows if r["model"] == model}
-        full = mine["full", None]
-        depths = list(dict.fromkeys(d for (_, d) in mine if (_, d) != ("full", None)))
-        lines.append(
-            f"\n{model}: median step ms (full backprop {full['step_seconds'] * 1e3:.1f} ms)"
-        )
-        header = f"{'depth':>5} " + "".join(f"{m:>12}" for m in METHODS[1:])
-        header += f"{'gg/ideal':>10}{'gg/full':>9}{'flops g/i':>10}{'saved g/i':>10}"
-        lines.append(header)
-        for depth in depths:
-            cells = []
-            for method in METHODS[1:]:
-                row = mine.get((method, depth))
-                cells.append(f"{row['step_seconds'] * 1e3:>12.1f}" if row else f"{'-':>12}")
-            gate, ideal = mine.get(("gradgate", depth)), mine.get(("ideal", depth))
-            assert gate is not None and ideal is not None
-            lines.append(
-                f"{_label(depth):>5} "
-                + "".join(cells)
-                + f"{_ratio(gate['step_seconds'], ideal['step_seconds']):>10}"
-                + f"{_ratio(gate['step_seconds'], full['step_seconds']):>9}"
-                + f"{_exact(gate['backward_flops'], ideal['backward_flops']):>10}"
-                + f"{_exact(gate['saved_bytes'], ideal['saved_bytes']):>10}"
-            )
-    if document["compile"]:
-        hits = document["machine"].get("compile_recompile_limit_hits", {})
-        lines.append("\ntorch.compile over every depth (warm-up: depths all, 0, n)")
-        lines.append(f"{'method':>18}{'graphs':>8}{'recompiles':>12}{'hit limit':>11}")
-        for row in document["compile"]:
-            hit = "yes" if hits.get(row["method"]) else "no"
-            lines.append(f"{row['method']:>18}{row['graphs']:>8}{row['recompiles']:>12}{hit:>11}")
-    over = document["machine"].get("overheads")
-    if over:
-        audit = over["audit_ratio"]
-        lines.append(
-            f"\ndepth change, 48 blocks: {over['depth_change_seconds'] * 1e6:.1f} us per change "
-            f"= {over['depth_change_step_fraction'] * 100:.5f}% of a step; audit overhead: "
-            + ("not measured (gg.audit unavailable)" if audit is None else f"x{audit:.2f}")
-        )
-    return "\n".join(lines)
-
-
-def _exact(a: int, b: int) -> str:
-    return "1 (=)" if a == b else f"{a / b:.4f}" if b else "-"
 
 
 def plot(document: dict[str, Any], path: Path) -> None:
@@ -132,6 +96,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
             ax.set_ylabel(unit)
             ax.set_title(model)
     axes[0][0].legend(fontsize="small")
+    figure.suptitle(heading(document["machine"]), fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)

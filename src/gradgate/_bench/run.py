@@ -7,17 +7,19 @@ import gc
 import os
 import platform
 import statistics
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .._progress import Progress
 from . import compiled, measure, overheads
+from .catalog import FACTORIES
+from .device import Meter, describe, meter_for
 from .methods import Runner, configurations
-from .workloads import FACTORIES, Depth, Size
+from .workloads import Depth, Size
+
+Config = tuple[str, Depth]
 
 
 @dataclass
@@ -28,71 +30,69 @@ class Options:
     repeats: int = 7
     warmup: int = 1
     models: list[str] = field(default_factory=lambda: list(FACTORIES))
+    device: str = "cpu"
+    amp: str | None = None
     compile: bool = True
     compile_backend: str = "aot_eager"
     compile_blocks: int = 12
     overheads: bool = True
     progress: bool = True
+    command: str = "gradgate bench"
 
 
 def run(options: Options) -> dict[str, Any]:
     """The whole benchmark as the JSON document (``machine``, ``results``, ``compile``)."""
-    machine = _machine(options)
+    device = torch.device(options.device)
+    meter = meter_for(device)
+    machine = _machine(options, device, meter)
     results: list[dict[str, Any]] = []
     for name in options.models:
-        results.extend(_bench_model(name, options))
+        results.extend(_bench_model(name, options, device, meter))
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     compile_rows: list[dict[str, Any]] = []
     if options.compile:
-        with _progress(2, "compile", enabled=options.progress) as advance:
-            hits = {}
-            for method in ("toggle+compile", "gradgate+compile"):
-                row = compiled.compile_counts(
-                    method,
-                    backend=options.compile_backend,
-                    size="tiny" if options.size == "tiny" else "quick",
-                    n=options.compile_blocks,
-                )
-                hits[method] = row.pop("recompile_limit_hits")
-                compile_rows.append(row)
-                advance()
-        machine["compile_recompile_limit_hits"] = hits
+        compile_rows, machine["compile_recompile_limit_hits"] = _compile_section(options, device)
     if options.overheads:
-        machine["overheads"] = overheads.measure(size="tiny" if options.size == "tiny" else "quick")
+        small: Size = "quick" if options.size == "full" else "tiny"
+        machine["overheads"] = overheads.measure(size=small, device=device)
     machine["load_average_end"] = _load()
     return {"machine": machine, "results": results, "compile": compile_rows}
 
 
-def _bench_model(name: str, options: Options) -> list[dict[str, Any]]:
-    workload = FACTORIES[name](size=options.size)
-    runner = Runner(workload)
+def _bench_model(
+    name: str, options: Options, device: torch.device, meter: Meter
+) -> list[dict[str, Any]]:
+    workload = FACTORIES[name](size=options.size, device=device)
+    runner = Runner(workload, amp=options.amp)
     configs = configurations(workload.depths)
-    figures: dict[tuple[str, Depth], dict[str, Any]] = {}
-    units = len(configs) * (2 + options.warmup + options.repeats)
+    counts: dict[Config, dict[str, int]] = {}
+    peaks: dict[Config, int | None] = {}
+    times: dict[Config, list[float]] = {config: [] for config in configs}
+    progress = Progress(
+        total=len(configs) * (2 + options.warmup + options.repeats),
+        description=f"bench {name}",
+        enabled=options.progress,
+    )
     try:
-        with _progress(units, name, enabled=options.progress) as advance:
+        for method, depth in configs:  # counted steps, which also warm every configuration up
+            counts[method, depth] = measure.counts(runner, method, depth)
+            progress.advance(f"{method} depth {depth}: counted")
+        for _ in range(options.warmup):
             for method, depth in configs:
-                figures[method, depth] = {
-                    "backward_flops": measure.backward_flops(runner, method, depth),
-                    "saved_bytes": measure.saved_bytes(runner, method, depth),
-                }
-                advance()
-            for method, depth in configs:
-                figures[method, depth]["peak_rss_bytes"] = measure.peak_rss_bytes(
-                    _step(runner, method, depth)
-                )
-                advance()
-            for _ in range(options.warmup):
-                for method, depth in configs:
-                    runner.step(method, depth)
-                    advance()
-            times: dict[tuple[str, Depth], list[float]] = {config: [] for config in configs}
-            for round_ in range(options.repeats):
-                shift = round_ % len(configs)  # rotate so no configuration always runs first
-                for method, depth in configs[shift:] + configs[:shift]:
-                    times[method, depth].append(measure.timed(_step(runner, method, depth)))
-                    advance()
+                runner.step(method, depth)
+                progress.advance(f"{method} depth {depth}: warm-up")
+        for method, depth in configs:
+            peaks[method, depth] = meter.peak_bytes(_step(runner, method, depth))
+            progress.advance(f"{method} depth {depth}: peak memory")
+        for round_ in range(options.repeats):
+            shift = round_ % len(configs)  # rotate so no configuration always runs first
+            for method, depth in configs[shift:] + configs[:shift]:
+                times[method, depth].append(meter.seconds(_step(runner, method, depth)))
+                progress.advance(f"{method} depth {depth}: timed")
     finally:
+        progress.close()
         runner.close()
     return [
         {
@@ -100,70 +100,63 @@ def _bench_model(name: str, options: Options) -> list[dict[str, Any]]:
             "method": method,
             "depth": depth,
             "step_seconds": statistics.median(times[method, depth]),
-            "backward_flops": figures[method, depth]["backward_flops"],
-            "saved_bytes": figures[method, depth]["saved_bytes"],
-            "peak_rss_bytes": figures[method, depth]["peak_rss_bytes"],
+            **counts[method, depth],
+            "peak_bytes": peaks[method, depth],
         }
         for method, depth in configs
     ]
 
 
-def _step(runner: Runner, method: str, depth: Depth) -> Callable[[], None]:
+def _step(runner: Runner, method: str, depth: Depth) -> Any:
     return lambda: runner.step(method, depth)
 
 
-@contextmanager
-def _progress(total: int, description: str, *, enabled: bool) -> Iterator[Callable[[], None]]:
-    """A tqdm bar on stderr when tqdm is installed, else one line per 10%."""
-    if not enabled:
-        yield lambda: None
-        return
+def _compile_section(
+    options: Options, device: torch.device
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    rows, hits = [], {}
+    methods = ("toggle+compile", "gradgate+compile")
+    progress = Progress(total=len(methods), description="bench compile", enabled=options.progress)
     try:
-        from tqdm import tqdm
-    except ImportError:
-        done = [0]
+        for method in methods:
+            row = compiled.compile_counts(
+                method,
+                backend=options.compile_backend,
+                size="quick" if options.size == "full" else "tiny",
+                n=options.compile_blocks,
+                device=device,
+            )
+            hits[method] = row.pop("recompile_limit_hits")
+            rows.append(row)
+            progress.advance(method)
+    finally:
+        progress.close()
+    return rows, hits
 
-        def advance() -> None:
-            done[0] += 1
-            if done[0] * 10 // total != (done[0] - 1) * 10 // total:
-                print(f"{description}: {done[0]}/{total}", file=sys.stderr, flush=True)
 
-        yield advance
-        return
-    with tqdm(total=total, desc=f"{description:>12}", file=sys.stderr, leave=True) as bar:
-        yield lambda: bar.update(1)
-
-
-def _machine(options: Options) -> dict[str, Any]:
+def _machine(options: Options, device: torch.device, meter: Meter) -> dict[str, Any]:
     return {
+        "command": options.command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": describe(device),
+        "amp": options.amp,
         "platform": platform.platform(),
-        "processor": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "device": "cpu",
+        "cuda": torch.version.cuda,
         "size": options.size,
         "repeats": options.repeats,
         "warmup": options.warmup,
         "compile_backend": options.compile_backend if options.compile else None,
         "load_average_start": _load(),
-        "timing": "median wall seconds of forward + backward + SGD step, interleaved rounds",
+        "timing": f"median of interleaved rounds; {meter.timing}",
         "saved_bytes": "distinct storages saved for backward, parameters excluded",
-        "peak_rss_bytes": "VmHWM during one step, reset via /proc/self/clear_refs",
+        "peak_bytes": meter.peak,
+        "optimizer": "SGD, lr 1e-4",
     }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _load() -> list[float] | None:

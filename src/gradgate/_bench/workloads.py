@@ -2,6 +2,8 @@
 
 The *ideal* is what a careful user writes by hand for depth ``k``: the prefix (embeddings and
 the first ``n - k`` blocks) under ``torch.no_grad()``, then the suffix with autograd on.
+Plain-torch models live here; the transformers models in :mod:`.hf`. On CUDA the ``quick`` and
+``full`` sizes are larger (a GPU step on the CPU sizes would measure only launch overhead).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 Size = Literal["full", "quick", "tiny"]
 Depth = int | None
+Dims = dict[str, tuple[int, ...]]
 BASE_DEPTHS: tuple[Depth, ...] = (0, 1, 2, 3, 6, 9, 12, None)
 
 
@@ -56,6 +59,21 @@ def scaled_depths(n: int, *, quick: bool) -> list[Depth]:
         if value not in found:
             found.append(value)
     return found
+
+
+def dims(table: Dims, size: Size, device: torch.device) -> tuple[int, ...]:
+    """The row of ``table`` for ``size`` on ``device`` (``cuda-quick`` / ``cuda-full`` on a GPU).
+
+    >>> dims({"quick": (1,), "cuda-quick": (9,)}, "quick", torch.device("cpu"))
+    (1,)
+    """
+    key = size if device.type == "cpu" or size == "tiny" else f"cuda-{size}"
+    return table[key]
+
+
+def on(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors moved to ``device`` (made on the CPU first, so every device sees the same)."""
+    return [tensor.to(device) for tensor in tensors]
 
 
 def _no_grad_unless(depth: Depth) -> contextlib.AbstractContextManager[Any]:
@@ -137,24 +155,39 @@ def _transformer_prefix(model: nn.Module, depth: Depth) -> list[torch.Tensor]:
     return [model.tok.weight, model.pos, *model.blocks[:cut].parameters()]
 
 
+_TRANSFORMER: Dims = {
+    # d_model, sequence, batch, vocab
+    "full": (256, 128, 16, 512),
+    "quick": (64, 32, 4, 128),
+    "tiny": (16, 8, 2, 32),
+    "cuda-full": (768, 1024, 16, 8192),
+    "cuda-quick": (512, 512, 8, 4096),
+}
+
+
 def transformer(
-    *, size: Size = "full", n: int = 12, d_model: int | None = None, seed: int = 0
+    *,
+    size: Size = "full",
+    n: int = 12,
+    d_model: int | None = None,
+    seed: int = 0,
+    device: torch.device | None = None,
 ) -> Workload:
-    """The 12-block pre-LN transformer (d_model 256, 4 heads, sequence 128, batch 16)."""
-    d, seq, batch, vocab = {
-        "full": (256, 128, 16, 512),
-        "quick": (128, 64, 8, 256),
-        "tiny": (16, 8, 2, 32),
-    }[size]
+    """The 12-block pre-LN transformer (CPU full size: d_model 256, 4 heads, sequence 128,
+    batch 16; on CUDA the GPT-2-small shape, sequence 1024)."""
+    device = device or torch.device("cpu")
+    d, seq, batch, vocab = dims(_TRANSFORMER, size, device)
     d = d_model or d
     torch.manual_seed(seed)
-    model = PreLNTransformer(vocab=vocab, d_model=d, heads=4 if d >= 64 else 2, seq=seq, n=n)
-    ids = torch.randint(0, vocab, (batch, seq))
+    model = PreLNTransformer(vocab=vocab, d_model=d, heads=_heads(d), seq=seq, n=n)
+    ids, targets = on(
+        device, torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    )
     return Workload(
         name="transformer",
-        model=model,
+        model=model.to(device),
         batch=ids,
-        targets=torch.randint(0, vocab, (batch, seq)),
+        targets=targets,
         blocks=[f"blocks.{i}" for i in range(n)],
         forward=lambda m, x: m(x),
         ideal_forward=_transformer_ideal,
@@ -163,80 +196,8 @@ def transformer(
     )
 
 
-# -- (ii) GPT-2 from transformers, tiny random config --------------------------------------------
-def _gpt2_forward(model: nn.Module, ids: Any) -> torch.Tensor:
-    logits: torch.Tensor = model(input_ids=ids, use_cache=False).logits
-    return logits
-
-
-def _gpt2_ideal(model: nn.Module, ids: Any, depth: Depth) -> torch.Tensor:
-    from transformers.masking_utils import create_causal_mask
-
-    body: Any = model.transformer  # type: ignore[union-attr]
-    cut = _cut(len(body.h), depth)
-    with _no_grad_unless(depth):
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)
-        embeds = body.wte(ids)
-        h = body.drop(embeds + body.wpe(positions))
-        mask = create_causal_mask(
-            config=body.config,
-            inputs_embeds=embeds,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=positions,
-        )
-        for block in body.h[:cut]:
-            h = block(h, None, mask, None, use_cache=False, position_ids=positions)
-    for block in body.h[cut:]:
-        h = block(h, None, mask, None, use_cache=False, position_ids=positions)
-    logits: torch.Tensor = model.lm_head(body.ln_f(h))  # type: ignore[operator]
-    return logits
-
-
-def _gpt2_prefix(model: nn.Module, depth: Depth) -> list[torch.Tensor]:
-    if depth is None:
-        return []
-    body: Any = model.transformer  # type: ignore[union-attr]
-    cut = _cut(len(body.h), depth)
-    return [body.wte.weight, body.wpe.weight, *body.h[:cut].parameters()]
-
-
-def gpt2(*, size: Size = "full", n: int = 12, seed: int = 0) -> Workload:
-    """GPT-2 (transformers) at a tiny random config: nothing is downloaded."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    d, seq, batch, vocab = {
-        "full": (64, 128, 8, 512),
-        "quick": (32, 64, 4, 256),
-        "tiny": (16, 8, 2, 32),
-    }[size]
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=n,
-        n_embd=d,
-        n_head=4 if d >= 64 else 2,
-        vocab_size=vocab,
-        n_positions=seq,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-        attn_pdrop=0.0,
-        embd_pdrop=0.0,
-        resid_pdrop=0.0,
-        use_cache=False,
-    )
-    model = GPT2LMHeadModel(config).train()
-    return Workload(
-        name="gpt2",
-        model=model,
-        batch=torch.randint(0, vocab, (batch, seq)),
-        targets=torch.randint(0, vocab, (batch, seq)),
-        blocks=[f"transformer.h.{i}" for i in range(n)],
-        forward=_gpt2_forward,
-        ideal_forward=_gpt2_ideal,
-        prefix_parameters=_gpt2_prefix,
-        depths=scaled_depths(n, quick=size != "full"),
-    )
+def _heads(d_model: int) -> int:
+    return 2 if d_model < 64 else 4 if d_model < 512 else d_model // 64
 
 
 # -- (iii) the seeds' conv stack, scaled up ------------------------------------------------------
@@ -275,25 +236,33 @@ def _conv_prefix(model: nn.Module, depth: Depth) -> list[torch.Tensor]:
     )
 
 
-def conv_stack(*, size: Size = "full", n: int = 10, seed: int = 0) -> Workload:
-    """10 x Conv2d(32, 32, 3) on 64x64 images."""
-    channels, side, batch = {"full": (32, 64, 8), "quick": (16, 32, 4), "tiny": (4, 8, 2)}[size]
+_CONV: Dims = {
+    # channels, side, batch
+    "full": (32, 64, 8),
+    "quick": (8, 32, 4),
+    "tiny": (4, 8, 2),
+    "cuda-full": (64, 128, 32),
+    "cuda-quick": (32, 64, 16),
+}
+
+
+def conv_stack(
+    *, size: Size = "full", n: int = 10, seed: int = 0, device: torch.device | None = None
+) -> Workload:
+    """10 x Conv2d(32, 32, 3) on 64x64 images (CPU full size)."""
+    device = device or torch.device("cpu")
+    channels, side, batch = dims(_CONV, size, device)
     torch.manual_seed(seed)
+    model = ConvStack(channels=channels, n=n)
+    (images,) = on(device, torch.randn(batch, channels, side, side))
     return Workload(
         name="conv_stack",
-        model=ConvStack(channels=channels, n=n),
-        batch=torch.randn(batch, channels, side, side),
-        targets=torch.zeros(0),
+        model=model.to(device),
+        batch=images,
+        targets=torch.zeros(0, device=device),
         blocks=[f"layers.{i}" for i in range(n)],
         forward=lambda m, x: m(x),
         ideal_forward=_conv_ideal,
         prefix_parameters=_conv_prefix,
         depths=scaled_depths(n, quick=size != "full"),
     )
-
-
-FACTORIES: dict[str, Callable[..., Workload]] = {
-    "transformer": transformer,
-    "gpt2": gpt2,
-    "conv_stack": conv_stack,
-}

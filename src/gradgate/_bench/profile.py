@@ -2,9 +2,9 @@
 
 Profiles gradgate steps with cProfile and reports the time spent inside gradgate's own code
 (the gate's hooks and the depth setter) as a fraction of the step, per model, and the
-median-of-alternating-steps ratio gradgate / ideal. Run from the repository root:
+median-of-alternating-steps ratio gradgate / ideal. A maintainer's tool, run as::
 
-    python benchmarks/profile_gate.py --size quick --depth 3 --steps 10
+    python -m gradgate._bench.profile --size quick --depth 3 --steps 10
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pstats
 import statistics
 import time
 
-from gradgate._bench.methods import Runner
-from gradgate._bench.workloads import FACTORIES
+from .catalog import FACTORIES
+from .methods import Runner
 
 
 def gate_seconds(stats: pstats.Stats) -> float:
@@ -29,14 +29,18 @@ def gate_seconds(stats: pstats.Stats) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Profile every workload and print one line each."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gradgate._bench.profile", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--size", default="quick", choices=["full", "quick", "tiny"])
     parser.add_argument("--depth", default="3", help="an integer, or 'all' for no cut")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", nargs="+", choices=list(FACTORIES), default=list(FACTORIES))
+    parser.add_argument("--steps", type=int, default=10, help="profiled steps per model")
     args = parser.parse_args()
     depth = None if args.depth == "all" else int(args.depth)
-    for name, factory in FACTORIES.items():
-        runner = Runner(factory(size=args.size))
+    for name in args.models:
+        runner = Runner(FACTORIES[name](size=args.size))
         for method in ("gradgate", "ideal"):
             runner.step(method, depth)
         times: dict[str, list[float]] = {"gradgate": [], "ideal": []}
