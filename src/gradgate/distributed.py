@@ -457,4 +457,9 @@ def _fsdp_param_groups(module: nn.Module) -> list[Any]:
     if not isinstance(module, FSDPModule):
         return []
     state = module._get_fsdp_state()
-    return list(state._fsdp_param_groups)
+    groups = getattr(state, "_fsdp_param_groups", None)  # newer torch: several per module
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)  # earlier: at most one
+        groups = [] if group is None else [group]
+    # torch before set_unshard_in_backward has no such setting: nothing to change there
+    return [group for group in groups if hasattr(group, "unshard_in_backward")]
