@@ -72,7 +72,10 @@ def test_hf_gradient_checkpointing_covers_every_learning_block(depth: int) -> No
     full = torch.autograd.grad(loss_fn(reference, batch), list(named.values()))
     with gg.backprop_depth(model, depth):
         gated_saved, _ = forward_and_backward(lambda: loss_fn(model, batch))
-    learners = {f"transformer.h.{i}." for i in range(4 - depth, 4)} | {"transformer.ln_f.", "lm_head."}
+    learners = {f"transformer.h.{i}." for i in range(4 - depth, 4)} | {
+        "transformer.ln_f.",
+        "lm_head.",
+    }
     frozen = [n for n in named if not n.startswith(tuple(learners))]
     with gg.frozen(model, *frozen):  # the toggle idiom: every block checkpointed
         toggled_saved, _ = forward_and_backward(lambda: loss_fn(model, batch))
@@ -110,7 +113,7 @@ def test_checkpoint_called_around_the_block_still_checkpoints_every_learner(dept
     torch.manual_seed(0)
     model, x = LoopCheckpointed(), torch.randn(8, 4)
     with gg.backprop_depth(model, depth):
-        gated_saved, gated_flops = forward_and_backward(lambda: model(x).sum())
+        gated_saved, _ = forward_and_backward(lambda: model(x).sum())
     prefix = [f"layers.{i}" for i in range(4 - depth)] + ["embed"]
     with gg.frozen(model, *prefix):
         toggled_saved, _ = forward_and_backward(lambda: model(x).sum())
@@ -125,7 +128,11 @@ def test_blocks_frozen_for_their_call_survive_checkpoint_recomputation() -> None
     model, batch, loss_fn = llama(layers=4)
     reference = copy.deepcopy(model)
     named = dict(reference.named_parameters())
-    full = dict(zip(named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True))
+    full = dict(
+        zip(
+            named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True
+        )
+    )
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     gate = gg.BackpropGate(model)
@@ -136,6 +143,8 @@ def test_blocks_frozen_for_their_call_survive_checkpoint_recomputation() -> None
         learned = {n for n, p in model.named_parameters() if p.grad is not None}
         assert {n.split(".")[2] for n in learned if n.startswith("model.layers.")} == {"1"}
         for name in learned:
-            torch.testing.assert_close(dict(model.named_parameters())[name].grad, full[name], msg=name)
+            torch.testing.assert_close(
+                dict(model.named_parameters())[name].grad, full[name], msg=name
+            )
         assert all(p.requires_grad for p in model.parameters())
     gate.remove()

@@ -92,14 +92,18 @@ def test_any_learn_and_skip_plan_equals_the_hand_written_reference(
     model(x).pow(2).sum().backward()
     gate.remove()
     got, want = _grads(model), _grads(reference)
-    assert {n for n, g in got.items() if g is not None} == {n for n, g in want.items() if g is not None}
+    assert {n for n, g in got.items() if g is not None} == {
+        n for n, g in want.items() if g is not None
+    }
     for name, grad in got.items():
         if grad is not None:
             torch.testing.assert_close(grad, want[name], msg=name)
     assert all(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize(("learn", "skip"), [({1, 3}, set()), ({0, 4}, {2}), (set(), {3}), ({2}, {2, 4})])
+@pytest.mark.parametrize(
+    ("learn", "skip"), [({1, 3}, set()), ({0, 4}, {2}), (set(), {3}), ({2}, {2, 4})]
+)
 def test_plans_cost_what_the_hand_written_ideal_costs(learn: set[int], skip: set[int]) -> None:
     torch.manual_seed(0)
     model, x = Net(), torch.randn(8, 3)
@@ -116,7 +120,11 @@ def test_learn_on_a_real_gpt2_with_a_module_name() -> None:
     model, batch, loss_fn = gpt2(layers=4)
     reference = copy.deepcopy(model)
     named = dict(reference.named_parameters())
-    full = dict(zip(named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True))
+    full = dict(
+        zip(
+            named, torch.autograd.grad(loss_fn(reference, batch), list(named.values())), strict=True
+        )
+    )
     gate = gg.BackpropGate(model)
     gate.learn = {"transformer.wte", 2}
     assert gate.learn == frozenset({2, "transformer.wte"}) and gate.depth is None
@@ -152,7 +160,9 @@ def test_skipping_a_block_that_changes_shape_raises() -> None:
         ("learn", 3.0, "learn=3.0 is not a set"),
     ],
 )
-def test_bad_plans_are_rejected_and_the_plan_is_unchanged(field: str, value: object, message: str) -> None:
+def test_bad_plans_are_rejected_and_the_plan_is_unchanged(
+    field: str, value: object, message: str
+) -> None:
     gate = gg.BackpropGate(Net(), depth=2)
     with pytest.raises(gg.GradgateError, match=re.escape(message)):
         setattr(gate, field, value)

@@ -86,7 +86,7 @@ def test_every_zoo_model_is_exact_at_every_depth(name: str) -> None:
     seeds = range(6) if name in {"bart", "wav2vec2", "layerdrop_mlp"} else range(1)
     with warnings.catch_warnings(record=True) as caught:  # SharedParameterWarning: once a gate
         warnings.simplefilter("always")
-        for depth in sorted({0, 1, n // 2, n}) + [None]:
+        for depth in [*sorted({0, 1, n // 2, n}), None]:
             gate.depth = depth
             for seed in seeds:
                 _check_plan(entry, model, reference_model, gate, seed, caught)
@@ -144,7 +144,7 @@ def test_layerdrop_skipping_learning_blocks_never_breaks_backward() -> None:
         torch.manual_seed(seed)
         ran: list[int] = []
         hooks = [
-            b.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+            b.register_forward_hook(lambda m, a, o, i=i, ran=ran: ran.append(i))
             for i, b in enumerate(model.layers)
         ]
         model.zero_grad(set_to_none=True)
@@ -177,9 +177,11 @@ def _runs_any_block(seed: int) -> bool:
 
 def test_blocks_run_out_of_listed_order_warn_and_stay_exact() -> None:
     model = Reversed(4)
-    with pytest.warns(gg.BlockCallWarning, match="out of the listed order"):
-        with gg.backprop_depth(model, 1):
-            model(torch.randn(2, 6)).sum().backward()
+    with (
+        pytest.warns(gg.BlockCallWarning, match="out of the listed order"),
+        gg.backprop_depth(model, 1),
+    ):
+        model(torch.randn(2, 6)).sum().backward()
     # only blocks.3 (listed last, run first) learns; the rest pass gradients but get none
     assert [b[0].weight.grad is not None for b in model.blocks] == [False, False, False, True]
 
@@ -212,9 +214,11 @@ def test_a_tied_weight_registered_after_the_blocks_straddling_the_cut_warns() ->
             return self.head(h)
 
     model = Late()
-    with pytest.warns(gg.SharedParameterWarning, match="shared by 'head' and 'embed'"):
-        with gg.backprop_depth(model, 1):
-            model(torch.tensor([[1, 2]])).sum().backward()
+    with (
+        pytest.warns(gg.SharedParameterWarning, match="shared by 'head' and 'embed'"),
+        gg.backprop_depth(model, 1),
+    ):
+        model(torch.tensor([[1, 2]])).sum().backward()
 
 
 def test_prefix_mode_follows_the_tower_that_runs_first() -> None:
@@ -234,9 +238,11 @@ def test_prefix_mode_follows_the_tower_that_runs_first() -> None:
 def test_nothing_trainable_after_the_cut_is_explained() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
     model[2].requires_grad_(False)  # e.g. LoRA at depth 0: the frozen head is all that learns
-    with pytest.warns(gg.BlockCallWarning, match="nothing that runs after the cut has trainable"):
-        with gg.backprop_depth(model, 0, ["0", "1"]):
-            out = model(torch.randn(2, 2))
+    with (
+        pytest.warns(gg.BlockCallWarning, match="nothing that runs after the cut has trainable"),
+        gg.backprop_depth(model, 0, ["0", "1"]),
+    ):
+        out = model(torch.randn(2, 2))
     assert not out.requires_grad
 
 

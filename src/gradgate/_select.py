@@ -47,9 +47,7 @@ def blocks(model: nn.Module) -> list[str]:
     rivals = [
         names
         for score, _, names in scored[1:]
-        if score[0] == best_score[0]
-        and 3 * score[1] >= best_score[1]
-        and _disjoint(names, best)
+        if score[0] == best_score[0] and 3 * score[1] >= best_score[1] and _disjoint(names, best)
     ]
     if rivals:
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
