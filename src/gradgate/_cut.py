@@ -380,7 +380,7 @@ class _Cut(Handle):
         if not graph:
             self._release()
             return
-        queued = []
+        queued: list[bool] = []
 
         def at_backward(grad: torch.Tensor) -> None:
             if not queued:
