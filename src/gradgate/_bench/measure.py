@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._autograd import StorageBytes, observe_saved, storage_key
 from .methods import Runner
 from .workloads import Depth
 
@@ -89,31 +90,15 @@ def saved_bytes(runner: Runner, method: str, depth: Depth) -> int:
 def saved_bytes_during(step: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``step()`` runs.
 
-    The pack hook records the storage and keeps only a detached alias: packing the tensor
-    itself would make a reference cycle (an output saved by its own ``grad_fn``, as
-    ``sigmoid`` does) that keeps it alive, even after ``gc.collect()``, when no backward runs.
+    Uses the library's cycle-free observer: packing the tensor itself would make a reference
+    cycle (an output saved by its own ``grad_fn``, as ``sigmoid`` does) that keeps it alive,
+    even after ``gc.collect()``, when no backward runs.
 
     >>> x = torch.ones(1000, requires_grad=True)
     >>> saved_bytes_during(lambda: x.sigmoid())
     4000
     """
-    excluded = {_storage_key(tensor) for tensor in exclude}
-    sizes: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in excluded:
-            sizes.setdefault(key, tensor.untyped_storage().nbytes())
-        return tensor.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    counter = StorageBytes(exclude=[storage_key(tensor) for tensor in exclude])
+    with observe_saved(counter.add):
         step()
-    return sum(sizes.values())
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().data_ptr())
+    return counter.total
