@@ -22,10 +22,12 @@ def test_bare_gradgate_prints_help_and_succeeds(capsys: pytest.CaptureFixture[st
     status, out, err = run(capsys)
     assert (status, err) == (0, "")
     assert out.startswith("usage: gradgate")
-    assert "gradgate demo" in out and "gradgate bench" in out
+    commands = out.split("commands:\n", 1)[1]
+    assert commands.count("\n    demo ") == 1 and commands.count("\n    bench ") == 1
+    assert 'Run "gradgate COMMAND --help"' in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_help_is_clean(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     status, out, _ = run(capsys, *argv)
     assert status == 0
@@ -143,3 +145,9 @@ def test_demo_command_passes_its_options(
 def test_bench_is_a_command_of_the_same_parser(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "bench", "--help")
     assert status == 0 and "usage: gradgate bench" in out and "--quick" in out
+
+
+def test_bench_option_errors_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "bench", "--repeats", "0")
+    assert (status, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("gradgate bench: error: argument --repeats")

@@ -12,17 +12,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
 
-from . import _demo
+from . import _bench, _demo
 from ._errors import GradgateError
 
-DESCRIPTION = """\
-gradgate decides where gradients flow in a PyTorch model, and proves it.
-
-commands:
-  gradgate demo     answer the common questions with measured evidence, write an HTML report
-  gradgate bench    compare full backprop, freezing by hand, gradgate and the ideal
-
-Run "gradgate COMMAND --help" for a command's options."""
+DESCRIPTION = "gradgate decides where gradients flow in a PyTorch model, and proves it."
+EPILOG = 'Run "gradgate COMMAND --help" for the options of a command.'
 
 # Optional packages a command may need, and the extra that installs them.
 _EXTRA_OF = {"sklearn": "demo", "matplotlib": "demo", "tqdm": "demo", "transformers": "bench"}
@@ -40,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gradgate",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=_version())
     commands = cast(
@@ -48,36 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_subparsers(dest="command", metavar="COMMAND", title="commands"),
     )
     _demo.add_command(commands)
-    _add_bench(commands)
+    _bench.add_command(commands)
     return parser
-
-
-def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``gradgate bench``: its options are parsed by :func:`gradgate.bench.main` for now."""
-    bench = commands.add_parser(
-        "bench",
-        add_help=False,
-        help="compare full backprop, freezing by hand, gradgate and the ideal (bench --help)",
-    )
-    bench.set_defaults(run=None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line (``argv`` defaults to ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     try:
-        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
-        if args.command is None:
-            parser.print_help()
-            return 0
-        if args.run is None:  # bench, until it adds its own sub-command
-            from .bench import main as bench_main
-
-            return _guarded(args.command, lambda: bench_main(rest))
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exit:  # --help, --version and option errors
         return exit.code if isinstance(exit.code, int) else 1
+    if args.command is None:
+        parser.print_help()
+        return 0
     return _guarded(args.command, lambda: int(args.run(args)))
 
 
