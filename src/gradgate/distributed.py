@@ -1,6 +1,6 @@
 """Scale out: DDP and FSDP2 with a plan that changes every step.
 
-Three jobs, each one function:
+Three jobs:
 
 * :func:`allreduce_trained` — a DDP communication hook that all-reduces only the parameters
   that got a gradient, so the bytes sent each step are proportional to what learns;
