@@ -11,6 +11,7 @@ everything, also when the forward raises; after a ``KeyboardInterrupt`` the next
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal, get_args
 
 import torch
@@ -82,12 +83,8 @@ class _Cut(Handle):
         self._hooks.pre(model, GateHook(self, "_enter_root"), prepend=True)
         self._hooks.post(model, GateHook(self, "_exit_root"), always_call=True)
         for position, (_, module) in enumerate(points):
-            self._hooks.pre(
-                module, GateHook(self, "_enter_block", position), with_kwargs=True, prepend=True
-            )
-            self._hooks.post(
-                module, GateHook(self, "_exit_block", position), with_kwargs=True, always_call=True
-            )
+            self._hooks.pre(module, GateHook(self, "_enter_block", position), prepend=True)
+            self._hooks.post(module, GateHook(self, "_exit_block", position), with_kwargs=True)
         for index, (_, owners) in enumerate(self._shared):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
@@ -182,9 +179,11 @@ class _Cut(Handle):
         held, frame.held = frame.held, []
         if held:
             self._hold_until_backward(held, output)
-        never_opened = frame.blocking and not frame.opened and frame.grad_before
+        raising = sys.exc_info()[0] is not None  # torch calls this hook from its except block
+        never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
         nothing_learns = (
             frame.blocking
+            and not raising
             and frame.opened
             and not frame.explained
             and torch.is_grad_enabled()  # else reentrant checkpointing lost it: warned below
@@ -194,7 +193,7 @@ class _Cut(Handle):
         self._warn_after_forward(frame, never_opened, nothing_learns)
 
     # -- block hooks ---------------------------------------------------------------------------
-    def _enter_block(self, position: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is None:
             self._warn_outside_call(position)
@@ -232,23 +231,27 @@ class _Cut(Handle):
         frame = self._own_frame()
         if frame is None:
             return None
-        frozen = frame.frozen.pop(position, [])
-        if self._shares_params[position]:
-            for param in frozen:
-                param.requires_grad_(True)  # another block may learn with them later
-        else:
-            frame.held.extend(frozen)
-        for block_module, training in frame.block_training.pop(position, ()):
-            block_module.training = training
+        if position in frame.frozen:
+            frozen = frame.frozen.pop(position)
+            if self._shares_params[position]:
+                for param in frozen:
+                    param.requires_grad_(True)  # another block may learn with them later
+            else:
+                frame.held.extend(frozen)
+        if position in frame.block_training:
+            for block_module, training in frame.block_training.pop(position):
+                block_module.training = training
+        replaced = None
         if position in frame.skipped:
             torch.set_grad_enabled(frame.skipped.pop(position))
-            output = pass_around(self._points[position][0], args, kwargs, output)
-        elif frame.opened and self._learn is not None and position in self._learn:
-            frame.explained |= check_block_output_learns(self._points[position][0], module, output)
+            replaced = pass_around(self._points[position][0], args, kwargs, output)
+        elif frame.opened and not frame.checked and self._learns(position):
+            frame.checked = True  # the first learner after the cut is where it would show
+            frame.explained = check_block_output_learns(self._points[position][0], module, output)
         if frame.blocking and not frame.opened and self._opens_after(position):
             frame.tentative = position
             self._open(frame)
-        return output
+        return replaced
 
     def _enter_extra(self, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
@@ -294,6 +297,9 @@ class _Cut(Handle):
         torch.set_grad_enabled(False)
         if frame.autocast_cache is not None:
             torch.set_autocast_cache_enabled(False)
+
+    def _learns(self, position: int) -> bool:
+        return self._learn is not None and position in self._learn
 
     def _own_frame(self) -> Frame | None:
         for frame in reversed(open_frames()):

@@ -48,6 +48,7 @@ class Frame:
     held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
     skipped: dict[int, bool] = field(default_factory=dict)
     block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
+    checked: bool = False  # the first learning block's output was checked
     explained: bool = False  # a warning already said why the output may have no graph
     shared_uses: dict[int, set[bool]] = field(default_factory=dict)
 
@@ -67,8 +68,14 @@ def close_frame(frame: Frame) -> None:
     for params in [*frame.frozen.values(), frame.held]:
         for param in params:
             param.requires_grad_(True)
-    for module, training in frame.training:
+    # a block that raised skipped its own exit hook: what it changed is put back here
+    for module, training in [
+        *frame.training,
+        *(m for ms in frame.block_training.values() for m in ms),
+    ]:
         module.training = training
+    if frame.skipped:
+        torch.set_grad_enabled(next(iter(frame.skipped.values())))
     if frame.autocast_cache is not None:
         torch.set_autocast_cache_enabled(frame.autocast_cache)
     if frame.blocking and held_before and not grad_held_off():
