@@ -9,6 +9,8 @@
 >>> gate.remove()
 """
 
+# ruff: noqa: I001  (imports are grouped by concern, in the order data flows, not sorted)
+
 from importlib import import_module as _import_module
 from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
@@ -22,14 +24,21 @@ from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
 from ._compile import compile_blocks
 
 # freeze: which parameters learn?
-from ._freeze import FreezeHandle, freeze, frozen, unfreeze
+from ._freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
 from ._handles import Handle
 
 # transform: how are gradients changed?
-from ._transform import clip_grad, grad_transform, reverse_grad, scale_grad, zero_grad_of
+from ._transform import (
+    TransformHandle,
+    clip_grad,
+    grad_transform,
+    reverse_grad,
+    scale_grad,
+    zero_grad_of,
+)
 
 # capture: what are the inner gradients?
-from ._capture import capture_grads
+from ._capture import CaptureHandle, capture_grads
 
 # audit: what did backward compute?
 from ._audit import AuditReport, audit
@@ -46,18 +55,23 @@ from ._errors import (
     AlreadyFrozenError,
     AmbiguousBlocksError,
     AmbiguousNameError,
+    AuditNotReadyError,
     BlockCallError,
     BlockCallWarning,
     CheckpointAfterCutWarning,
     ExplainedError,
     GradgateError,
     GradgateWarning,
+    GradientNotReadyError,
     GraphFreedError,
     GraphvizError,
     GraphvizNotFoundError,
+    HandleUsedError,
     InferenceTensorError,
     InvalidDepthError,
     InvalidOptionError,
+    MissingExtraError,
+    NoBackwardWarning,
     NoBlocksError,
     NoCudaError,
     NoGraphError,
@@ -66,6 +80,7 @@ from ._errors import (
     SavedTensorModifiedError,
     SharedParameterWarning,
     TransformError,
+    UnknownCaptureError,
     UnknownModuleError,
 )
 
@@ -88,24 +103,30 @@ __all__ = [
     "AlreadyFrozenError",
     "AmbiguousBlocksError",
     "AmbiguousNameError",
+    "AuditNotReadyError",
     "AuditReport",
     "BackpropGate",
     "BlockCallError",
     "BlockCallWarning",
+    "CaptureHandle",
     "CheckpointAfterCutWarning",
     "ExplainedError",
     "Finding",
     "FreezeHandle",
     "GradgateError",
     "GradgateWarning",
+    "GradientNotReadyError",
     "Graph",
     "GraphFreedError",
     "GraphvizError",
     "GraphvizNotFoundError",
     "Handle",
+    "HandleUsedError",
     "InferenceTensorError",
     "InvalidDepthError",
     "InvalidOptionError",
+    "MissingExtraError",
+    "NoBackwardWarning",
     "NoBlocksError",
     "NoCudaError",
     "NoGraphError",
@@ -115,6 +136,9 @@ __all__ = [
     "SharedParameterWarning",
     "StopGradient",
     "TransformError",
+    "TransformHandle",
+    "UnfreezeHandle",
+    "UnknownCaptureError",
     "UnknownModuleError",
     "__version__",
     "audit",
