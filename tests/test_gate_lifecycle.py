@@ -65,7 +65,8 @@ def test_interrupt_with_a_long_lived_gate_does_not_poison_the_thread(
     with pytest.raises(exc):
         model(torch.randn(2, 3))
     model[1].exc = None
-    torch.set_grad_enabled(True)  # what a notebook user does next, if anything
+    assert torch.is_grad_enabled()  # at once, not only at the next gated forward
+    assert all(p.requires_grad for p in model.parameters())
     model(torch.randn(2, 3)).sum().backward()
     assert _learners(model) == ["3.weight", "3.bias"]
     other = _model()

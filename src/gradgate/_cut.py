@@ -38,7 +38,7 @@ from ._frames import (
     root_call_site,
 )
 from ._handles import Handle
-from ._hooks import GateHook, HookSet
+from ._hooks import ForwardGuard, GateHook, HookSet
 from ._select import ancestors
 from ._validate import check_choice
 
@@ -89,6 +89,8 @@ class _Cut(Handle):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
         self._extra_hooks = HookSet()
+        self._guard = ForwardGuard(model, self._close_own_frames)
+        self._guard.install()
 
     # -- the plan ------------------------------------------------------------------------------
     def _set_plan(
@@ -401,9 +403,13 @@ class _Cut(Handle):
         for param in held:
             param.requires_grad_(True)
 
-    def _remove_hooks(self) -> None:
+    def _close_own_frames(self) -> None:
         for frame in [f for f in open_frames() if f.gate is self]:
             close_frame(frame)
+
+    def _remove_hooks(self) -> None:
+        self._close_own_frames()
+        self._guard.uninstall()
         self._release()
         self._hooks.remove()
         self._extra_hooks.remove()

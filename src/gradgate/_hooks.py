@@ -67,3 +67,43 @@ class HookSet:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+
+
+class ForwardGuard:
+    """Wraps a module's ``forward`` in try/finally for what hooks cannot see.
+
+    torch's ``always_call`` forward hooks run for ``Exception`` only; ``KeyboardInterrupt`` and
+    ``SystemExit`` skip them. The guard calls ``on_interrupt()`` for those, then re-raises. It
+    is an instance attribute (``module.forward``); a copy of the module gets its plain forward.
+    """
+
+    def __init__(self, module: nn.Module, on_interrupt: Any) -> None:
+        self.module, self.on_interrupt = module, on_interrupt
+        self.previous = module.__dict__.get("forward")  # an instance forward it wraps, if any
+        self.inner = module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                self.on_interrupt()
+            raise
+
+    def install(self) -> None:
+        object.__setattr__(self.module, "forward", self)
+
+    def uninstall(self) -> None:
+        if self.module.__dict__.get("forward") is self:
+            if self.previous is None:
+                del self.module.__dict__["forward"]
+            else:
+                object.__setattr__(self.module, "forward", self.previous)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_plain_forward, (self.module, self.previous))
+
+
+def _plain_forward(module: nn.Module, previous: Any) -> Any:
+    """What a copy's ``forward`` attribute becomes: the one the guard wrapped."""
+    return previous if previous is not None else type(module).forward.__get__(module)
