@@ -65,9 +65,21 @@ def test_gradgate_freeze_keeps_weight_bit_identical() -> None:
     with gg.frozen(net, "0"):
         before = net[0].weight.detach().clone()
         for _ in range(3):
-            _train_step(net, opt, set_to_none=False)
+            _train_step(net, opt, set_to_none=True)
         assert torch.equal(net[0].weight, before)
         assert "frozen-in-optimizer" not in _codes(gg.check(net, opt))
+
+
+def test_a_gradient_kept_by_freeze_then_zeroed_in_place_is_reported() -> None:
+    # freeze keeps a gradient already held (micro-batch accumulation); zero_grad(set_to_none=
+    # False) turns it into a zero tensor that momentum and weight decay still apply: check says so
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    _train_step(net, opt, set_to_none=True)
+    with gg.frozen(net, "0"):
+        _train_step(net, opt, set_to_none=False)
+        findings = [f for f in gg.check(net, opt) if f.code == "frozen-in-optimizer"]
+        assert [f.where for f in findings] == ["0.weight", "0.bias"]
 
 
 def test_adam_state_is_named() -> None:
