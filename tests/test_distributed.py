@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
+from gradgate._fsdp import _fsdp_param_groups
 
 pytestmark = pytest.mark.slow
 
@@ -412,7 +413,7 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
     _fsdp_param_group.foreach_all_gather = counted
 
     def unshard_flags() -> list[bool]:
-        groups = [g for b in blocks for g in gg.distributed._fsdp_param_groups(b)]
+        groups = [g for b in blocks for g in _fsdp_param_groups(b)]
         return [g.unshard_in_backward for g in groups]
 
     def set_fsdp_default() -> None:

@@ -119,7 +119,7 @@ class _Cut(Handle):
         """FSDP2: no all-gather in backward for blocks that backward does not run through."""
         if not self._fsdp:
             return
-        from .distributed import apply_plan_to_fsdp
+        from ._fsdp import apply_plan_to_fsdp
 
         if self._fsdp_restore is not None:
             self._fsdp_restore()

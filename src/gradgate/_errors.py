@@ -28,7 +28,7 @@ class AmbiguousBlocksError(NoBlocksError):
 
 
 class BlockCallError(GradgateError):
-    """A block ran in a way the cut cannot follow exactly (twice, out of order, outside the call)."""
+    """A block ran in a way the cut cannot follow (e.g. a skipped block with no residual path)."""
 
 
 class RankMismatchError(GradgateError):

@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._errors import AlreadyFrozenError, InvalidOptionError
 from ._handles import Handle
+from ._optimizer import add_group, held, remove_groups
 from ._select import Pattern, _match, check_module
 from ._validate import check_choice, check_patterns
 
@@ -253,7 +254,7 @@ class UnfreezeHandle(_LayerHandle):
     def _restore(self) -> None:
         super()._restore()
         if self._optimizer is not None:
-            _remove_groups(self._optimizer, self._added)
+            remove_groups(self._optimizer, self._added)
 
 
 # -- public functions --------------------------------------------------------------------------
@@ -415,23 +416,15 @@ def _add_missing(
     model: nn.Module, optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Add the parameters the optimizer lacks, grouped like their module's other parameters."""
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    group_of = held(optimizer)
     new_groups: dict[int, tuple[dict[str, Any] | None, list[tuple[str, nn.Parameter]]]] = {}
     for name, param in params:
-        if id(param) in group_of:
-            continue
-        sibling = _sibling_group(model, name, group_of)
-        key = id(sibling) if sibling is not None else 0
-        new_groups.setdefault(key, (sibling, []))[1].append((name, param))
-    added = []
-    named = any("param_names" in group for group in optimizer.param_groups)
-    for sibling, members in new_groups.values():
-        skip = ("params", "param_names")
-        options = {k: v for k, v in (sibling or {}).items() if k not in skip}
-        if named:  # an optimizer built from named_parameters() keeps names per group
-            options["param_names"] = [name for name, _ in members]
-        optimizer.add_param_group({**options, "params": [p for _, p in members]})
-        added.append(optimizer.param_groups[-1])
+        if id(param) not in group_of:
+            sibling = _sibling_group(model, name, group_of)
+            new_groups.setdefault(id(sibling), (sibling, []))[1].append((name, param))
+    added = [
+        add_group(optimizer, members, sibling or {}) for sibling, members in new_groups.values()
+    ]
     return added, [name for _, members in new_groups.values() for name, _ in members]
 
 
@@ -441,19 +434,9 @@ def _sibling_group(
     """The group of the nearest module (the owner, then its ancestors) with a parameter in it."""
     owner = name.rpartition(".")[0]
     while True:
-        module = model.get_submodule(owner)
-        for param in module.parameters():
+        for param in model.get_submodule(owner).parameters():
             if id(param) in group_of:
                 return group_of[id(param)]
         if not owner:
             return None
         owner = owner.rpartition(".")[0]
-
-
-def _remove_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    for group in groups:
-        index = next((i for i, g in enumerate(optimizer.param_groups) if g is group), None)
-        if index is not None:
-            del optimizer.param_groups[index]
-            for param in group["params"]:
-                optimizer.state.pop(param, None)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ._errors import InvalidOptionError
+from ._optimizer import add_group, held
 from ._select import Pattern, check_module, resolve_blocks
 
 if TYPE_CHECKING:
@@ -92,14 +93,14 @@ def add_missing(
     [0.1, 0.01]
     """
     named = model.named_parameters() if isinstance(model, nn.Module) else model
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    holding = set(held(optimizer))
     missing: list[tuple[str, nn.Parameter]] = []
     for name, param in named:
-        if id(param) not in held and (param.requires_grad or not trainable_only):
-            held.add(id(param))
+        if id(param) not in holding and (param.requires_grad or not trainable_only):
+            holding.add(id(param))
             missing.append((name, param))
     if missing:
-        optimizer.add_param_group({"params": [p for _, p in missing], **options})
+        add_group(optimizer, missing, options)
     return [name for name, _ in missing]
 
 

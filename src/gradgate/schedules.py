@@ -20,15 +20,19 @@ Plan(depth=3)
 
 from __future__ import annotations
 
-import math
-import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ._errors import InvalidOptionError
-from ._validate import check_choice
+from ._validate import (
+    check_choice,
+    count_option,
+    integer_option,
+    learn_items_option,
+    probability_option,
+)
 
 __all__ = [
     "LISA",
@@ -132,14 +136,14 @@ class Schedule:
     """
 
     def __init__(self, n: int, *, seed: int = 0) -> None:
-        self.n = _count("n", n, low=1)
-        self.seed = _integer("seed", seed)
+        self.n = count_option("n", n, low=1)
+        self.seed = integer_option("seed", seed)
         self.next_step = 0
 
     # -- the plan ------------------------------------------------------------------------------
     def plan(self, step: int) -> Plan:
         """The plan for ``step`` (a pure function of the configuration, the seed and ``step``)."""
-        return self._plan(_count("step", step, low=0))
+        return self._plan(count_option("step", step, low=0))
 
     def apply(self, gate: _Gate, step: int | None = None) -> Plan:
         """Set the plan for ``step`` on ``gate`` and return it.
@@ -161,7 +165,7 @@ class Schedule:
 
     def finished(self, step: int) -> frozenset[int]:
         """Blocks that learn at no step ``>= step`` (none, unless the schedule says so)."""
-        _count("step", step, low=0)
+        count_option("step", step, low=0)
         return frozenset()
 
     # -- resuming ------------------------------------------------------------------------------
@@ -184,8 +188,8 @@ class Schedule:
                     f"has {value!r}; build the schedule with the same arguments as the run "
                     "that saved the state."
                 )
-        self.seed = _integer("seed", state["seed"])
-        self.next_step = _count("next_step", state["next_step"], low=0)
+        self.seed = integer_option("seed", state["seed"])
+        self.next_step = count_option("next_step", state["next_step"], low=0)
 
     # -- for subclasses ------------------------------------------------------------------------
     def _plan(self, step: int) -> Plan:
@@ -216,8 +220,10 @@ class RandomDepth(Schedule):
 
     def __init__(self, n: int, low: int = 1, high: int | None = None, *, seed: int = 0) -> None:
         super().__init__(n, seed=seed)
-        self.low = _count("low", low, low=0, high=self.n)
-        self.high = self.n if high is None else _count("high", high, low=self.low, high=self.n)
+        self.low = count_option("low", low, low=0, high=self.n)
+        self.high = (
+            self.n if high is None else count_option("high", high, low=self.low, high=self.n)
+        )
 
     def _plan(self, step: int) -> Plan:
         return Plan(depth=self._rng(step).randint(self.low, self.high))
@@ -251,10 +257,10 @@ class LISA(Schedule):
         seed: int = 0,
     ) -> None:
         super().__init__(n, seed=seed)
-        self.every = _count("every", every, low=1)
-        self.always = _learn_items("always", always, self.n)
+        self.every = count_option("every", every, low=1)
+        self.always = learn_items_option("always", always, self.n)
         self._pool = [i for i in range(self.n) if i not in self.always]
-        self.k = _count("k", k, low=0, high=len(self._pool))
+        self.k = count_option("k", k, low=0, high=len(self._pool))
 
     def _plan(self, step: int) -> Plan:
         drawn = self._rng(step // self.every).sample(self._pool, self.k)
@@ -297,7 +303,7 @@ class DropBP(Schedule):
             raise InvalidOptionError(
                 f"rates has {len(rates)} entries; expected one per block ({self.n})."
             )
-        self.rates = [_probability(f"rates[{i}]", r) for i, r in enumerate(rates)]
+        self.rates = [probability_option(f"rates[{i}]", r) for i, r in enumerate(rates)]
 
     def _plan(self, step: int) -> Plan:
         rng = self._rng(step)
@@ -342,11 +348,11 @@ class FreezeOut(Schedule):
             )
         if stops is None:
             check_choice("spacing", spacing, ("linear", "cubic"))
-            total = _count("total_steps", total_steps, low=1)
-            first = _probability("first", first)
+            total = count_option("total_steps", total_steps, low=1)
+            first = probability_option("first", first)
             self.stops = _spaced_stops(self.n, total, first, spacing)
         else:
-            self.stops = [_count(f"stops[{i}]", s, low=0) for i, s in enumerate(stops)]
+            self.stops = [count_option(f"stops[{i}]", s, low=0) for i, s in enumerate(stops)]
             if len(self.stops) != self.n:
                 raise InvalidOptionError(
                     f"stops has {len(self.stops)} entries; expected one per block ({self.n})."
@@ -361,7 +367,7 @@ class FreezeOut(Schedule):
         return Plan(depth=self.n - len(self.finished(step)))
 
     def finished(self, step: int) -> frozenset[int]:
-        _count("step", step, low=0)
+        count_option("step", step, low=0)
         return frozenset(i for i, stop in enumerate(self.stops) if stop <= step)
 
     def _config(self) -> dict[str, Any]:
@@ -391,9 +397,9 @@ class GradualUnfreeze(Schedule):
         seed: int = 0,
     ) -> None:
         super().__init__(n, seed=seed)
-        self.every = _count("every", every, low=1)
-        self.start = _count("start", start, low=0, high=self.n)
-        self.by = _count("by", by, low=1)
+        self.every = count_option("every", every, low=1)
+        self.start = count_option("start", start, low=0, high=self.n)
+        self.by = count_option("by", by, low=1)
         if not isinstance(then_all, bool):
             raise InvalidOptionError(f"then_all={then_all!r}; expected True or False.")
         self.then_all = then_all
@@ -412,43 +418,6 @@ class GradualUnfreeze(Schedule):
             "by": self.by,
             "then_all": self.then_all,
         }
-
-
-# -- validation ------------------------------------------------------------------------------
-def _integer(option: str, value: object) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidOptionError(
-            f"{option}={value!r} ({type(value).__name__}); expected an integer."
-        )
-    return operator.index(value)  # type: ignore[arg-type]
-
-
-def _count(option: str, value: object, *, low: int, high: int | None = None) -> int:
-    number = _integer(option, value)
-    if number < low or (high is not None and number > high):
-        bounds = f"{low}..{high}" if high is not None else f">= {low}"
-        raise InvalidOptionError(f"{option}={number} is out of range; expected {bounds}.")
-    return number
-
-
-def _probability(option: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InvalidOptionError(f"{option}={value!r}; expected a number in [0, 1].")
-    if not 0.0 <= value <= 1.0:
-        raise InvalidOptionError(f"{option}={value!r} is out of range; expected [0, 1].")
-    return float(value)
-
-
-def _learn_items(option: str, items: Iterable[int | str], n: int) -> frozenset[int | str]:
-    if isinstance(items, (str, int)):
-        items = [items]
-    found: set[int | str] = set()
-    for item in items:
-        if isinstance(item, str):
-            found.add(item)
-        else:
-            found.add(_count(f"{option} entry", item, low=-n, high=n - 1) % n)
-    return frozenset(found)
 
 
 def _spaced_stops(n: int, total: int, first: float, spacing: str) -> list[int]:
