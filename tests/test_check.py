@@ -178,7 +178,7 @@ def test_check_never_prints(capsys: pytest.CaptureFixture[str]) -> None:
         (("net",), {}, "gg.check(model=...) got str; expected a torch.nn.Module"),
         ((nn.Linear(2, 2), "sgd"), {}, "gg.check(optimizer=...) got str 'sgd'; expected"),
         ((nn.Linear(2, 2), [None]), {}, "gg.check(optimizer=...) got NoneType None; expected"),
-        ((nn.Linear(2, 2),), {"loss": 3.0}, "gg.check(loss=...) got float; expected the torch"),
+        ((nn.Linear(2, 2),), {"loss": 3.0}, "gg.check(loss=3.0) got float; expected the torch"),
     ],
 )
 def test_arguments_of_the_wrong_kind_are_named(

@@ -388,7 +388,7 @@ def test_loss_without_a_graph_is_a_clear_error() -> None:
         loss = net(torch.randn(1, 2)).sum()
     with pytest.raises(NoGraphError, match=r"no autograd graph .*torch.no_grad\(\)"):
         gg.graph(loss, model=net)
-    with pytest.raises(NoGraphError, match=r"loss has type float; expected a torch\.Tensor"):
+    with pytest.raises(NoGraphError, match=r"loss=1.0 has type float; expected a torch\.Tensor"):
         gg.graph(1.0)  # type: ignore[arg-type]
 
 

@@ -68,7 +68,7 @@ def test_param_groups_lr_per_block_rest_lr_and_shared_parameters() -> None:
     [
         ({"lr": [0.1, 0.2]}, r"lr has 2 rates; expected one per block \(4\)"),
         ({"lr": [0.1] * 4, "decay": 0.9}, r"decay=0.9 with a learning rate per block"),
-        ({"lr": 0.1, "decay": 0}, r"decay=0; expected a number > 0"),
+        ({"lr": 0.1, "decay": 0}, r"decay=0; expected a number in \(0, 1\]"),
         ({"lr": "fast"}, r"lr='fast'; expected a number or a sequence"),
     ],
 )

@@ -92,7 +92,7 @@ def test_select_errors_name_the_value_and_suggest_names() -> None:
     assert "Did you mean 'transformer.h.2'" in str(e.value)
     with pytest.raises(gg.AmbiguousNameError, match=r"'ln_1' matches 3 modules .*full qualified"):
         gg.select(model, "ln_1")
-    with pytest.raises(gg.UnknownModuleError, match=r"block index 7 is out of range: .* 3 blocks"):
+    with pytest.raises(gg.UnknownModuleError, match=r"got the block index 7, but the model has 3 blocks; expected an index in -3\.\.2"):
         gg.select(model, 7)
     with pytest.raises(gg.UnknownModuleError, match=r"pattern 2.5 has type float"):
         gg.select(model, 2.5)  # type: ignore[arg-type]

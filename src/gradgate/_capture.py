@@ -24,8 +24,7 @@ from ._errors import (
 )
 from ._handles import Handle
 from ._hooks import GateHook, HookSet
-from ._select import Pattern, check_module, resolve_modules
-from ._validate import check_patterns
+from ._select import Pattern, check_module, check_patterns, resolve_modules
 
 
 class _Call:

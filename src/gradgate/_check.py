@@ -93,7 +93,8 @@ def _checked_arguments(
             )
     if loss is not None and not isinstance(loss, torch.Tensor):
         raise InvalidOptionError(
-            f"gg.check(loss=...) got {type(loss).__name__}; expected the torch.Tensor output "
+            f"gg.check(loss={loss!r:.40}) got {type(loss).__name__}; expected the torch.Tensor "
+            "output "
             "(or loss) of the latest forward, or None."
         )
     return optimizers  # type: ignore[return-value]

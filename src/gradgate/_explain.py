@@ -156,7 +156,8 @@ def explain(model: nn.Module | None = None) -> Explainer:
     """
     if model is not None and not isinstance(model, nn.Module):
         raise InvalidOptionError(
-            f"gg.explain(model=...) got {type(model).__name__}; expected a torch.nn.Module "
+            f"gg.explain(model={model!r:.40}) got {type(model).__name__}; expected a "
+            "torch.nn.Module "
             "(for qualified module names) or None."
         )
     return Explainer(model)

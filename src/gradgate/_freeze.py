@@ -28,8 +28,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._errors import AlreadyFrozenError, InvalidOptionError
 from ._handles import Handle
 from ._optimizer import add_group, held, remove_groups
-from ._select import Pattern, _match, check_module
-from ._validate import check_choice, check_patterns
+from ._select import Pattern, _match, check_module, check_patterns
+from ._validate import check_choice
 
 NormMode = Literal["keep", "eval"]
 

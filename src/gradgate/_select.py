@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import operator
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import nn
 
-from ._errors import AmbiguousBlocksError, AmbiguousNameError, NoBlocksError, UnknownModuleError
+from ._errors import (
+    AmbiguousBlocksError,
+    AmbiguousNameError,
+    InvalidOptionError,
+    NoBlocksError,
+    UnknownModuleError,
+)
 
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")
@@ -79,6 +87,8 @@ def select(model: nn.Module, *patterns: Pattern) -> list[str]:
     >>> gg.select(net, "1:3", -1)
     ['1', '2', '4']
     """
+    check_module(model)
+    patterns = check_patterns("select", patterns, model=model)
     return [name for name, _ in resolve_modules(model, patterns)]
 
 
@@ -115,8 +125,20 @@ def resolve_blocks(
         names = blocks(model)
         lookup = dict(model.named_modules())
         return [(name, lookup[name]) for name in names]
-    if isinstance(spec, str):
-        spec = [spec]
+    if isinstance(spec, nn.Module) or not isinstance(spec, (str, int, slice, Sequence)):
+        raise UnknownModuleError(
+            f"blocks={spec!r:.80} ({type(spec).__name__}); expected block names, globs or "
+            "positions, e.g. blocks='encoder.layer.*' or blocks=['h.0', 'h.1'], or None to find "
+            "them with gg.blocks(model)."
+        )
+    if not isinstance(spec, (str, int, slice)) and len(spec) == 0:
+        raise UnknownModuleError(
+            f"blocks={spec!r} names no block; expected at least one block name, glob or "
+            "position, e.g. blocks=['h.0', 'h.1'], or None to find them with gg.blocks(model)."
+        )
+    spec = check_patterns(
+        "blocks=", (spec,) if isinstance(spec, (str, int, slice)) else tuple(spec), model=model
+    )
     found: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     for pattern in spec:
@@ -187,7 +209,8 @@ def _match_block_positions(model: nn.Module, pattern: int | slice) -> list[str]:
     if not -len(names) <= pattern < len(names):
         raise UnknownModuleError(
             f"block index {pattern} is out of range: {type(model).__name__} has "
-            f"{len(names)} blocks (valid indices {-len(names)}..{len(names) - 1})."
+            f"{len(names)} blocks; expected an index in {-len(names)}..{len(names) - 1} "
+            "(gg.blocks(model) lists them)."
         )
     return [names[pattern]]
 
@@ -323,3 +346,83 @@ def _no_blocks_message(model: nn.Module) -> str:
         "nn.Sequential or run of same-class children holds two or more blocks with parameters. "
         f"Pass the blocks explicitly, in the order they run, e.g. {example}."
     )
+
+
+# -- pattern checks ------------------------------------------------------------------------
+def check_patterns(
+    function: str,
+    patterns: tuple[Any, ...],
+    *,
+    model: Any = None,
+    allow_root: bool = False,
+    allow_none: bool = False,
+) -> tuple[Any, ...]:
+    """The patterns with integer-like block indices made ``int``; refuses ``''`` and, unless
+    ``allow_none`` (an empty set of patterns means "nothing"), no pattern at all.
+
+    ``allow_root`` lets ``''`` name the model itself (where a name is a key, as in capture).
+    With ``model``, a slice over its blocks must stay within them (``slice(0, 0)`` is the
+    empty set; ``slice(10, 20)`` on four blocks is refused).
+
+    >>> check_patterns("freeze", ("encoder", __import__("numpy").int64(2)))
+    ('encoder', 2)
+    """
+    if not patterns and not allow_none:
+        raise InvalidOptionError(
+            f"{function}() got no pattern; expected at least one module or parameter name, "
+            f"glob or range, e.g. {function}(model, 'encoder.layer.0'). For every module of "
+            f"the model pass '**': {function}(model, '**')."
+        )
+    checked = tuple(_pattern(function, pattern, allow_root) for pattern in patterns)
+    positional = [p for p in checked if isinstance(p, (int, slice)) and not isinstance(p, bool)]
+    if model is not None and positional:
+        count = len(blocks(model))
+        for pattern in positional:
+            if isinstance(pattern, slice):
+                check_block_slice(function, pattern, count)
+            elif not -count <= pattern < count:
+                raise UnknownModuleError(
+                    f"{function}() got the block index {pattern}, but the model has {count} "
+                    f"blocks; expected an index in -{count}..{count - 1}, e.g. -1 for the last "
+                    "block (gg.blocks(model) lists them)."
+                )
+    return checked
+
+
+def check_block_slice(function: str, pattern: slice, count: int) -> None:
+    """Refuse a slice over ``count`` blocks whose bounds or step are not integers in range.
+
+    >>> check_block_slice("freeze", slice(-2, None), 4)
+    >>> check_block_slice("freeze", slice(2, 9), 4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gradgate.UnknownModuleError: freeze() got the block slice slice(2, 9, None), ...
+    """
+    bounds = (pattern.start, pattern.stop)
+    step = pattern.step
+    ints = all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in bounds)
+    good_step = step is None or (isinstance(step, int) and not isinstance(step, bool) and step)
+    in_range = ints and all(b is None or -count <= b <= count for b in bounds)  # type: ignore[operator]
+    if not (ints and good_step and in_range):
+        raise UnknownModuleError(
+            f"{function}() got the block slice {pattern!r}, which does not fit the model's "
+            f"{count} blocks; expected integer bounds in -{count}..{count} and a non-zero "
+            f"step, e.g. slice(-2, None) for the last two blocks (gg.blocks(model) lists them)."
+        )
+
+
+def _pattern(function: str, pattern: Any, allow_root: bool) -> Any:
+    if isinstance(pattern, str):
+        if not pattern.strip() and not (allow_root and pattern == ""):
+            raise UnknownModuleError(
+                f"{function}() got the pattern {pattern!r}, which names no module; expected a "
+                "module or parameter name, a glob such as 'layer.*' or a range such as "
+                f"'layer.0:4'. For every module of the model pass '**'."
+            )
+        return pattern
+    if isinstance(pattern, (bool, slice)) or not hasattr(pattern, "__index__"):
+        return pattern  # slices as given; other types are refused by the selection with a hint
+    try:
+        return operator.index(pattern)  # numpy integers, 0-d integer tensors
+    except TypeError:
+        return pattern

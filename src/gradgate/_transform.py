@@ -38,8 +38,8 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import InvalidOptionError, NoTensorError, TransformError
 from ._handles import Handle
 from ._hooks import GateHook, HookSet
-from ._select import Pattern, check_module, resolve_modules
-from ._validate import check_choice, check_patterns
+from ._select import Pattern, check_module, check_patterns, resolve_modules
+from ._validate import check_choice
 
 On = Literal["params", "input", "both"]
 Count = Literal["forward", "manual"]

@@ -92,7 +92,8 @@ def add_missing(
     >>> [g["lr"] for g in opt.param_groups]
     [0.1, 0.01]
     """
-    named = model.named_parameters() if isinstance(model, nn.Module) else model
+    _optimizer(optimizer)
+    named = _named_pairs(model)
     holding = set(held(optimizer))
     missing: list[tuple[str, nn.Parameter]] = []
     for name, param in named:
@@ -114,6 +115,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     >>> gg.optim.state_bytes(opt)  # two moments of 440 bytes each, two step counters
     888
     """
+    _optimizer(optimizer)
     seen: set[tuple[int, int]] = set()
     total = 0
     for state in optimizer.state.values():
@@ -143,6 +145,7 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     >>> gg.optim.state_bytes(opt)
     96
     """
+    _optimizer(optimizer)
     if isinstance(params, nn.Module):
         params = params.parameters()
     before = state_bytes(optimizer)
@@ -202,8 +205,8 @@ def drop_finished(
 
 def _block_rates(lr: float | Sequence[float], decay: float | None, n: int) -> list[float]:
     if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-        factor = 1.0 if decay is None else _positive("decay", decay)
-        return [float(lr) * factor ** (n - 1 - i) for i in range(n)]
+        factor = 1.0 if decay is None else _fraction("decay", decay)
+        return [_positive("lr", lr) * factor ** (n - 1 - i) for i in range(n)]
     if decay is not None:
         raise InvalidOptionError(
             f"decay={decay!r} with a learning rate per block; expected one: lr=[...] (one "
@@ -215,11 +218,28 @@ def _block_rates(lr: float | Sequence[float], decay: float | None, n: int) -> li
         raise InvalidOptionError(
             f"lr={lr!r}; expected a number or a sequence of numbers, one per block."
         ) from None
+    for rate in rates:
+        _positive("lr", rate)
     if len(rates) != n:
         raise InvalidOptionError(
             f"lr has {len(rates)} rates; expected one per block ({n}), or a single number."
         )
     return rates
+
+
+def _fraction(option: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidOptionError(f"{option}={value!r}; expected a number in (0, 1], e.g. 0.8.")
+    return float(value)
+
+
+def _optimizer(value: object) -> torch.optim.Optimizer:
+    if not isinstance(value, torch.optim.Optimizer):
+        raise InvalidOptionError(
+            f"optimizer={value!r:.60} ({type(value).__name__}); expected a torch.optim.Optimizer, "
+            "e.g. torch.optim.AdamW(model.parameters())."
+        )
+    return value
 
 
 def _positive(option: str, value: object) -> float:
@@ -235,3 +255,18 @@ def _new_params(params: Iterable[nn.Parameter], seen: set[int]) -> list[nn.Param
             seen.add(id(param))
             found.append(param)
     return found
+
+
+def _named_pairs(model: object) -> list[tuple[str, nn.Parameter]]:
+    """A model's named parameters, or the ``(name, parameter)`` pairs given instead."""
+    if isinstance(model, nn.Module):
+        return list(model.named_parameters())
+    pairs = list(model) if isinstance(model, (list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in pairs
+    ):
+        raise InvalidOptionError(
+            f"model={model!r:.60} ({type(model).__name__}); expected a torch.nn.Module or a "
+            "list of (name, parameter) pairs, e.g. list(model.named_parameters())."
+        )
+    return pairs

@@ -301,7 +301,8 @@ class DropBP(Schedule):
         rates = list(rates)
         if len(rates) != self.n:
             raise InvalidOptionError(
-                f"rates has {len(rates)} entries; expected one per block ({self.n})."
+                f"rates={list(rates)!r} has {len(rates)} entries; expected one per block "
+                f"({self.n})."
             )
         self.rates = [probability_option(f"rates[{i}]", r) for i, r in enumerate(rates)]
 

@@ -57,14 +57,16 @@ def _roots(loss: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     tensors: list[Any] = list(given) if isinstance(given, (list, tuple)) else [given]
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise NoGraphError(
-            f"loss has type {type(loss).__name__}; expected a torch.Tensor (or a sequence of "
+            f"loss={loss!r:.40} has type {type(loss).__name__}; expected a torch.Tensor "
+            "(or a sequence of "
             "them) computed with autograd, e.g. loss = loss_fn(model(x), y)."
         )
     for tensor in tensors:
         if tensor.grad_fn is None and not tensor.requires_grad:
             raise NoGraphError(
-                "loss has no autograd graph (grad_fn is None, requires_grad is False): it was "
-                "computed under torch.no_grad() or torch.inference_mode(), or nothing before "
+                f"loss {_short(tensor)} has no autograd graph (grad_fn is None, requires_grad is "
+                "False); expected a tensor computed with autograd. It was computed under "
+                "torch.no_grad() or torch.inference_mode(), or nothing before "
                 "it requires grad (every parameter frozen or cut). Compute it with grad "
                 "enabled and at least one learning parameter."
             )
@@ -82,3 +84,7 @@ def check_model(model: object) -> None:
 def _walk_graph(roots: list[torch.Tensor]) -> Walk:
     order = list(walk(root_node(root) for root in roots))
     return Walk(order, {node: inputs_of(node) for node in order})
+
+
+def _short(tensor: torch.Tensor) -> str:
+    return f"(a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor)"
