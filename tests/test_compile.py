@@ -111,5 +111,5 @@ def test_handle_restores_the_original_forwards() -> None:
 
 
 def test_nothing_selected_is_a_clear_error() -> None:
-    with pytest.raises(gg.InvalidOptionError, match="selects no module of Net"):
+    with pytest.raises(gg.UnknownModuleError, match=r"blocks=\[\] names no block"):
         gg.compile_blocks(Net(n=2), [], backend=BACKEND)

@@ -58,11 +58,6 @@ def compile_blocks(
             f"fullgraph={compile_kwargs['fullgraph']!r}; expected True or False."
         )
     points = resolve_blocks(model, blocks)
-    if not points:
-        raise InvalidOptionError(
-            f"blocks={blocks!r} selects no module of {type(model).__name__}; expected at least "
-            "one block name or pattern."
-        )
     for name, block in points:
         if getattr(block.forward, _MARK, False):
             raise InvalidOptionError(

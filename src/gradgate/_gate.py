@@ -43,11 +43,6 @@ class BackpropGate(_Cut):
     ) -> None:
         check_module(model)
         points = resolve_blocks(model, blocks)
-        if not points:
-            raise InvalidDepthError(
-                f"blocks={blocks!r} selects no module of {type(model).__name__}; expected at "
-                "least one block name or pattern."
-            )
         depth = _validate_depth(depth, len(points), type(model).__name__)
         if not isinstance(check_ranks, bool):
             raise InvalidDepthError(f"check_ranks={check_ranks!r}; expected True or False.")
