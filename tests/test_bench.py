@@ -374,3 +374,26 @@ def test_a_failing_torch_formula_falls_back() -> None:
 
     formula = measure._first_that_counts(broken, lambda *args, out_val=None: 7)
     assert formula(1, 2, out_val=None) == 7 and formula._get_raw is True
+
+
+def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
+    from gradgate._bench import schedules
+
+    rows = {row["method"]: row for row in schedules.measure(blocks=3, width=8, steps=4)}
+    assert list(rows) == [
+        "full backprop",
+        "RandomDepth",
+        "LISA",
+        "DropBP",
+        "FreezeOut",
+        "GradualUnfreeze",
+    ]
+    assert rows["full backprop"]["flops_ratio"] == rows["full backprop"]["saved_ratio"] == 1.0
+    for name in ("RandomDepth", "LISA", "DropBP", "GradualUnfreeze"):
+        assert rows[name]["backward_flops"] < rows["full backprop"]["backward_flops"], name
+    # AdamW keeps two moments per learning parameter; FreezeOut drops finished blocks' state
+    assert rows["full backprop"]["state_ratio"] > 1.9
+    assert (
+        rows["FreezeOut"]["optimizer_state_bytes"] < rows["full backprop"]["optimizer_state_bytes"]
+    )
+    assert "FreezeOut" in schedules.table(list(rows.values()))

@@ -132,6 +132,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--no-overheads", action="store_true", help="skip the depth-change and audit overheads"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--schedules",
+        action="store_true",
+        help="add the schedules section: RandomDepth, LISA, DropBP, FreezeOut and "
+        "GradualUnfreeze side by side (backward FLOPs, saved bytes, optimizer state)",
+    )
 
 
 def _in_range(low: int, high: int) -> Callable[[str], int]:
@@ -169,6 +175,7 @@ def command_line(args: argparse.Namespace) -> str:
     if not args.no_compile and args.compile_backend != COMPILE_BACKEND:
         parts += ["--compile-backend", args.compile_backend]
     parts += ["--no-overheads"] if args.no_overheads else []
+    parts += ["--schedules"] if args.schedules else []
     return " ".join(parts)
 
 
@@ -183,8 +190,16 @@ def run_command(args: argparse.Namespace) -> int:
         document = report.read_json(args.from_json)
     else:
         document = _measure(args)
+        if args.schedules:
+            from . import schedules
+
+            document["schedules"] = schedules.measure()
         report.write_json(document, args.json)
     print(render(document, fmt="markdown" if args.markdown else "text"))
+    if "schedules" in document:
+        from . import schedules
+
+        print("\n" + schedules.table(document["schedules"]))
     written = [] if args.from_json is not None else [str(args.json)]
     if not args.no_plot:
         report.plot(document, args.plot)

@@ -50,4 +50,4 @@ def main(label: str = "gradgate", blocks: int = 24, rounds: int = 21, steps: int
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(sys.argv[1] if len(sys.argv) > 1 else "gradgate")
