@@ -92,6 +92,7 @@ def test_command_line_is_the_canonical_command() -> None:
     )
 
 
+@pytest.mark.slow  # a subprocess or a compile: seconds
 def test_import_is_light() -> None:
     code = (
         "import sys, torch\n"

@@ -54,6 +54,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # a subprocess or a compile: seconds
 def test_gradients_equal_eager_after_every_depth_change() -> None:
     from torch._dynamo.utils import counters
 
@@ -89,6 +90,7 @@ def test_gradients_equal_eager_after_every_depth_change() -> None:
     assert counters["stats"]["unique_graphs"] == after_warm_up  # no recompiles after warm-up
 
 
+@pytest.mark.slow  # a subprocess or a compile: seconds
 def test_bench_counts_three_graphs_and_no_recompiles() -> None:
     row = compile_counts("gradgate+compile", backend=BACKEND, size="tiny", n=4)
     assert row["graphs"] <= 3

@@ -86,6 +86,7 @@ def test_html_escapes_model_derived_names(tmp_path: Path) -> None:
     assert page.startswith("<!DOCTYPE html>") and "Wasted gradients" in page
 
 
+@pytest.mark.slow  # a subprocess or a compile: seconds
 def test_import_stays_light() -> None:
     code = (
         "import sys, gradgate, gradgate._audit, gradgate._graph; "
