@@ -3,8 +3,10 @@ observer (no reference cycle, outer hooks kept), and the one module tagger."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import io
 import pickle
 import weakref
 
@@ -191,3 +193,69 @@ def test_a_copy_made_during_an_audit_carries_no_gradgate_hooks() -> None:
     for copied in (twin, pickle.loads(saved)):
         torch.testing.assert_close(copied(x), net(x))
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in copied.modules())
+
+
+class _Containers(nn.Module):
+    """Blocks in a ModuleList, a head in a ModuleDict, parameters in a ParameterList and a
+    ParameterDict: containers that hold modules but never run themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(2, 3)
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.heads = nn.ModuleDict({"out": nn.Linear(3, 1)})
+        self.scales = nn.ParameterList([nn.Parameter(torch.full((3,), 1.5))])
+        self.shifts = nn.ParameterDict({"b": nn.Parameter(torch.full((3,), 0.25))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.heads["out"](x * self.scales[0] + self.shifts["b"])
+
+
+def _copy(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+HOOK_DICTS = sorted(k for k in vars(nn.Module()) if "forward" in k and "hooks" in k)
+
+
+def _observe(net: nn.Module, what: str) -> contextlib.AbstractContextManager[object]:
+    stack = contextlib.ExitStack()
+    if what == "audit":
+        stack.enter_context(gg.audit(net))
+        stack.enter_context(gg.graph.recording(net))
+    else:  # every module, containers included, matched by capture and transforms
+        stack.enter_context(gg.capture_grads(net, "**", inputs=True))
+        stack.enter_context(gg.scale_grad(net, "blocks", 0.5, on="both"))
+        stack.enter_context(gg.grad_transform(net, "heads", torch.neg, on="input"))
+    return stack
+
+
+@pytest.mark.parametrize("what", ["audit", "capture+transform"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_model_with_containers_keeps_no_hook(how, what) -> None:
+    net, plain = _Containers(), _Containers()
+    x = torch.randn(4, 2)
+    with _observe(net, what):
+        twin = _copy(net, how)
+    out = twin(x).sum()
+    out.backward()
+    left = {(name, d): len(getattr(m, d)) for name, m in twin.named_modules() for d in HOOK_DICTS}
+    assert {key: n for key, n in left.items() if n} == {}
+    plain(x).sum().backward()
+    assert out.item() == pytest.approx(plain(x).sum().item())
+    grads = {name: p.grad for name, p in twin.named_parameters()}
+    assert sorted(grads) == sorted(n for n, _ in plain.named_parameters())
+    for name, param in plain.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=0)

@@ -143,6 +143,9 @@ BAD_PATTERNS: list[tuple[str, Any, str]] = [
     ("zero-step-slice", slice(0, 4, 0), "slice(0, 4, 0"),
     ("whitespace", " ", "' '"),
     ("empty-range", "blocks.3:1", "'blocks.3:1'"),
+    ("out-of-range-range", "blocks.0:99", "'blocks.0:99'"),
+    ("out-of-range-negative-range", "blocks.-9:", "'blocks.-9:'"),
+    ("bool-tensor", torch.tensor(True), "tensor(True)"),
 ]
 
 
@@ -170,6 +173,8 @@ def _blocks_cases() -> list[Case]:
         ("empty-list", lambda c: [], "[]"),
         ("unknown", lambda c: ["blocks.9"], "'blocks.9'"),
         ("empty-string", lambda c: "", "''"),
+        ("out-of-range-range", lambda c: "blocks.1:9", "'blocks.1:9'"),
+        ("vector-tensor", lambda c: torch.tensor([1]), "tensor([1])"),
     ]
     return [
         Case(f"{fname}-blocks={bname}", lambda c, f=call, b=make: f(c, b(c)), needle)
@@ -377,6 +382,17 @@ VALID: list[tuple[str, Callable[[Ctx], Any]]] = [
     ("freeze-np.int64 block", lambda c: gg.freeze(c.model, np.int64(1))),
     ("BackpropGate-blocks=one position", lambda c: gg.BackpropGate(c.model, blocks=3)),
     ("BackpropGate-blocks=slice", lambda c: gg.BackpropGate(c.model, blocks=slice(0, 2))),
+    ("BackpropGate-blocks=np.int64", lambda c: gg.BackpropGate(c.model, blocks=np.int64(1))),
+    ("BackpropGate-blocks=0-d tensor", lambda c: gg.BackpropGate(c.model, blocks=torch.tensor(1))),
+    (
+        "backprop_depth-blocks=np.int64",
+        lambda c: gg.backprop_depth(c.model, 1, blocks=np.int64(-1)),
+    ),
+    (
+        "param_groups-blocks=0-d tensor",
+        lambda c: gg.optim.param_groups(c.model, lr=0.1, blocks=torch.tensor(2)),
+    ),
+    ("freeze-full range", lambda c: gg.freeze(c.model, "blocks.-4:4")),
     ("unfreeze-np.int64 block", lambda c: gg.unfreeze(c.model, np.int64(1))),
     ("capture_grads-np.int64 block", lambda c: gg.capture_grads(c.model, np.int64(1))),
     ("scale_grad-np.int64 block", lambda c: gg.scale_grad(c.model, np.int64(1), 0.5)),

@@ -133,5 +133,7 @@ def test_clean_step_is_unchanged() -> None:
 
 
 def test_a_model_that_is_not_a_module_is_refused() -> None:
-    with pytest.raises(gg.InvalidOptionError, match=r"gg.explain\(model='model'\) got str; expected"):
+    with pytest.raises(
+        gg.InvalidOptionError, match=r"gg.explain\(model='model'\) got str; expected"
+    ):
         gg.explain("model")  # type: ignore[arg-type]

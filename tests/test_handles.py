@@ -140,3 +140,41 @@ def test_context_managers_undo_on_keyboard_interrupt_and_system_exit(fault) -> N
         raise fault()
     after = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
     assert after == before
+
+
+@pytest.mark.parametrize("kind", ["freeze", "unfreeze", "capture_grads", "scale_grad", "Handle"])
+def test_entering_a_handle_that_is_already_entered_is_refused_and_keeps_it(kind) -> None:
+    model = _net()
+    undone: list[int] = []
+    handle = {
+        "freeze": lambda: gg.freeze(model, "0"),
+        "unfreeze": lambda: (gg.freeze(model, "0"), gg.unfreeze(model, "0"))[1],
+        "capture_grads": lambda: gg.capture_grads(model, "0"),
+        "scale_grad": lambda: gg.scale_grad(model, "0", 0.5),
+        "Handle": lambda: gg.Handle(lambda: undone.append(1), description="plain"),
+    }[kind]()
+    message = "is already entered in a `with` block that has not exited"
+    with handle:
+        inside = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+        with pytest.raises(HandleUsedError, match=re.escape(message)), handle:
+            pass  # pragma: no cover
+        # the rest of the outer block still runs under the handle
+        assert handle.active and undone == []
+        after = _state(model), [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model]
+        assert after == inside
+        assert model[0].weight.requires_grad == (kind != "freeze")
+    assert not handle.active and undone == ([1] if kind == "Handle" else [])
+
+
+def test_a_handle_can_be_entered_again_only_while_live_and_not_inside_its_own_block() -> None:
+    model = _net()
+    handle = gg.freeze(model, "0")
+    handle.__enter__()
+    with pytest.raises(HandleUsedError) as info:
+        handle.__enter__()
+    text = str(info.value)
+    assert "<gradgate.Handle freeze" in text and "(active)>" in text
+    assert "expected" in text and "call gradgate again" in text
+    assert not model[0].weight.requires_grad and handle.active
+    handle.__exit__(None, None, None)
+    assert model[0].weight.requires_grad and not handle.active

@@ -191,7 +191,10 @@ def test_plan_metrics() -> None:
         (lambda: DropBP(4), r"rate=None and rates=None; expected exactly one"),
         (lambda: DropBP(4, 0.5, rates=[0.5] * 4), r"expected exactly one"),
         (lambda: DropBP(4, 1.5), r"rates\[0\]=1.5 is out of range; expected \[0, 1\]"),
-        (lambda: DropBP(4, rates=[0.1]), r"rates=\[0.1\] has 1 entries; expected one per block \(4\)"),
+        (
+            lambda: DropBP(4, rates=[0.1]),
+            r"rates=\[0.1\] has 1 entries; expected one per block \(4\)",
+        ),
         (lambda: FreezeOut(4), r"total_steps=None and stops=None; expected exactly one"),
         (lambda: FreezeOut(2, stops=[5, 3]), r"stops=\[5, 3\] decreases"),
         (lambda: FreezeOut(2, total_steps=9, spacing="log"), r"spacing='log' is not allowed"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from models import REAL_MODELS, conv_stack
 from torch import nn
 
@@ -92,7 +94,51 @@ def test_select_errors_name_the_value_and_suggest_names() -> None:
     assert "Did you mean 'transformer.h.2'" in str(e.value)
     with pytest.raises(gg.AmbiguousNameError, match=r"'ln_1' matches 3 modules .*full qualified"):
         gg.select(model, "ln_1")
-    with pytest.raises(gg.UnknownModuleError, match=r"got the block index 7, but the model has 3 blocks; expected an index in -3\.\.2"):
+    with pytest.raises(
+        gg.UnknownModuleError,
+        match=r"got the block index 7, but the model has 3 blocks; expected an index in -3\.\.2",
+    ):
         gg.select(model, 7)
     with pytest.raises(gg.UnknownModuleError, match=r"pattern 2.5 has type float"):
         gg.select(model, 2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("position", [1, np.int64(1), torch.tensor(1), [np.int64(1)]])
+def test_a_numpy_or_0d_tensor_block_position_is_an_int_everywhere(position) -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Tanh()) for _ in range(3)])
+    gate = gg.BackpropGate(model, blocks=position, depth=1)
+    try:
+        assert gate.blocks == ["1"]
+    finally:
+        gate.remove()
+    assert gg.select(model, *(position if isinstance(position, list) else [position])) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [("blocks.0:3", ["0", "1", "2"]), ("blocks.-3:", ["0", "1", "2"]), ("blocks.1:2", ["1"])],
+)
+def test_a_range_string_within_the_container_selects_its_members(pattern, expected) -> None:
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    assert gg.select(model, pattern) == [f"blocks.{i}" for i in expected]
+
+
+@pytest.mark.parametrize("pattern", ["blocks.0:99", "blocks.-4:", "blocks.[2:4]", "blocks.5:"])
+def test_a_range_string_out_of_range_is_refused_like_a_slice(pattern) -> None:
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    before = [p.requires_grad for p in model.parameters()]
+    for call in (
+        lambda: gg.select(model, pattern),
+        lambda: gg.freeze(model, pattern),
+        lambda: gg.BackpropGate(model, blocks=pattern),
+    ):
+        with pytest.raises(gg.UnknownModuleError) as info:
+            call()
+        text = str(info.value)
+        assert repr(pattern) in text
+        assert "'blocks' has 3 numbered children" in text
+        assert "expected bounds in -3..3" in text and "'blocks.0:3'" in text
+    assert [p.requires_grad for p in model.parameters()] == before
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -25,6 +25,7 @@ from ._errors import (
 from ._handles import Handle
 from ._hooks import GateHook, HookSet
 from ._select import Pattern, check_module, check_patterns, resolve_modules
+from ._tagging import runs_itself
 
 
 class _Call:
@@ -237,6 +238,8 @@ def capture_grads(model: nn.Module, *patterns: Pattern, inputs: bool = False) ->
     names = [name for name, _ in matched]
     handle = CaptureHandle(f"capture_grads {', '.join(map(repr, patterns))}", names, aliases)
     for name, module in matched:
+        if not runs_itself(module):
+            continue  # a container is never called: a hook on it would never run
         handle._module_hooks.post(module, GateHook(handle, "_on_output", name))
         if inputs:
             handle._module_hooks.pre(module, GateHook(handle, "_on_input", name), with_kwargs=True)

@@ -40,6 +40,7 @@ from ._frames import (
 from ._handles import Handle
 from ._hooks import ForwardGuard, GateHook, HookSet
 from ._select import ancestors
+from ._stacks import Stacks
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -68,7 +69,7 @@ class _Cut(Handle):
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._warned: set[str] = set()
-        self._stacks = [name.rpartition(".")[0] for name, _ in points]
+        self._stacks = Stacks(model, points)
         self._shared = shared_parameter_owners(model)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
@@ -83,8 +84,15 @@ class _Cut(Handle):
         self._hooks.pre(model, GateHook(self, "_enter_root"), prepend=True)
         self._hooks.post(model, GateHook(self, "_exit_root"), always_call=True)
         for position, (_, module) in enumerate(points):
-            self._hooks.pre(module, GateHook(self, "_enter_block", position), prepend=True)
-            self._hooks.post(module, GateHook(self, "_exit_block", position), with_kwargs=True)
+            enter = GateHook(self, "_enter_block", position)
+            exit = GateHook(self, "_exit_block", position)
+            if isinstance(module, nn.TransformerEncoderLayer):  # keep its fused no-grad path
+                self._hooks.wrap(module, enter, exit)
+            else:
+                self._hooks.pre(module, enter, prepend=True)
+                self._hooks.post(module, exit, with_kwargs=True)
+        for index, module in enumerate(self._stacks.outside):
+            self._hooks.pre(module, GateHook(self, "_enter_outside", index))
         for index, (_, owners) in enumerate(self._shared):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
@@ -192,6 +200,8 @@ class _Cut(Handle):
             and not has_graph(output)
         )
         close_frame(frame)
+        if not raising:
+            self._stacks.learn(frame)
         self._warn_after_forward(frame, never_opened, nothing_learns)
 
     # -- block hooks ---------------------------------------------------------------------------
@@ -200,6 +210,8 @@ class _Cut(Handle):
         if frame is None:
             self._warn_outside_call(position)
             return
+        if self._stacks.of[position] not in frame.stacks_ran:
+            self._stacks.start(frame, position, planned=self._learn is not None)
         if position < frame.last_position and position not in frame.ran:
             self._warn_once(
                 "order",
@@ -211,6 +223,7 @@ class _Cut(Handle):
             )
         frame.last_position = max(frame.last_position, position)
         frame.ran.add(position)
+
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
             if learns:
@@ -261,6 +274,24 @@ class _Cut(Handle):
             frame.tentative = None
             self._open(frame)
 
+    def _enter_outside(self, index: int, module: nn.Module, args: Any) -> None:
+        """An embedding, norm or head ran: open the cut here if LayerDrop skipped the stack.
+
+        No block hook can open the cut then; it opens at the first module that earlier forwards
+        saw run after that stack (never before it: registration order is no guide).
+        """
+        frame = self._own_frame()
+        if frame is None:
+            return
+        frame.outside_calls.append((index, len(frame.stacks_ran)))
+        if not frame.blocking or frame.opened:
+            return
+        stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
+        if stack in frame.stacks_ran:
+            return  # the stack's own blocks decide where the cut opens
+        if self._stacks.seen_after(stack, index):
+            self._enter_extra(module, args)
+
     def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is not None and frame.blocking:
@@ -279,7 +310,7 @@ class _Cut(Handle):
         assert self._learn is not None
         first = min(self._first_opener(), len(self._points) - 1)
         opens = position in self._learn and position not in self._skip
-        return not opens and self._stacks[position] == self._stacks[first]
+        return not opens and self._stacks.of[position] == self._stacks.of[first]
 
     def _open(self, frame: Frame) -> None:
         if not frame.blocking or frame.opened:
@@ -335,8 +366,10 @@ class _Cut(Handle):
             warn(  # every time: it is about this step
                 "the cut never opened in this forward, so nothing in it learns: no learning "
                 "block ran (LayerDrop skipped every block of the stack, or the plan names blocks "
-                "that did not run). Lower the layerdrop probability, or choose a plan with a "
-                "block that always runs.",
+                "that did not run), and no module ran that earlier forwards of this gate saw run "
+                "after the stack (gradgate learns that from a forward in which the stack ran). "
+                "Lower the layerdrop probability, run one forward in eval mode first, or choose "
+                "a plan with a block that always runs.",
                 BlockCallWarning,
             )
         if nothing_learns:

@@ -44,6 +44,8 @@ class Frame:
     tentative: int | None = None  # opened after this block; a later non-learner closes again
     last_position: int = -1
     ran: set[int] = field(default_factory=set)
+    stacks_ran: list[int] = field(default_factory=list)  # in the order they first ran
+    outside_calls: list[tuple[int, int]] = field(default_factory=list)  # (module, stacks ran)
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
     skipped: dict[int, bool] = field(default_factory=dict)

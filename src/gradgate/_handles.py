@@ -17,7 +17,8 @@ class Handle:
     ``remove()`` and ``undo()`` are the same; calling either again is a no-op. Used as a
     context manager, the handle undoes on exit, also when the body raises. Entering a handle
     that was already undone raises :class:`HandleUsedError` (it would change nothing): call
-    gradgate again for a fresh handle.
+    gradgate again for a fresh handle. So does entering it again inside its own ``with``
+    block: the inner exit would undo it while the outer block still runs.
 
     >>> import torch, gradgate as gg
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -41,6 +42,7 @@ class Handle:
             )
         self._undo: Callable[[], None] | None = undo
         self._description = description
+        self._entered = False
 
     @property
     def active(self) -> bool:
@@ -63,6 +65,14 @@ class Handle:
                 "for a fresh handle: put the call itself inside the loop, e.g. "
                 "`for batch in data: with gg.frozen(model, ...): ...`."
             )
+        if self._entered:
+            raise HandleUsedError(
+                f"{self!r} is already entered in a `with` block that has not exited; entering "
+                "it again would undo it at the inner exit while the outer block still runs; "
+                "expected one `with` per handle. Drop the inner `with`, or call gradgate again "
+                "for a second, independent handle."
+            )
+        self._entered = True
         return self
 
     def __exit__(
@@ -71,6 +81,7 @@ class Handle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._entered = False
         self.remove()
 
     def __repr__(self) -> str:

@@ -55,7 +55,7 @@ class HookSet:
     """The forward hooks one gradgate object registered; ``remove()`` takes them all off."""
 
     def __init__(self) -> None:
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | HookedForward] = []
 
     def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._handles.append(module.register_forward_pre_hook(hook, **options))
@@ -63,47 +63,92 @@ class HookSet:
     def post(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._handles.append(module.register_forward_hook(hook, **options))
 
+    def wrap(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
+        """Hooks for a module whose forward must see no module hooks (see HookedForward)."""
+        wrapper = HookedForward(module, enter, exit)
+        wrapper.install()
+        self._handles.append(wrapper)
+
     def remove(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
 
 
-class ForwardGuard:
-    """Wraps a module's ``forward`` in try/finally for what hooks cannot see.
+class _InstanceForward:
+    """A wrapper installed as the instance attribute ``module.forward``.
 
-    torch's ``always_call`` forward hooks run for ``Exception`` only; ``KeyboardInterrupt`` and
-    ``SystemExit`` skip them. The guard calls ``on_interrupt()`` for those, then re-raises. It
-    is an instance attribute (``module.forward``); a copy of the module gets its plain forward.
+    A copy of the module (``copy.deepcopy``, ``pickle``, ``torch.save``) gets the forward the
+    wrapper wrapped; once uninstalled (or if it could not be, e.g. wrapped again later) the
+    wrapper only calls through.
     """
 
-    def __init__(self, module: nn.Module, on_interrupt: Any) -> None:
-        self.module, self.on_interrupt = module, on_interrupt
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
         self.previous = module.__dict__.get("forward")  # an instance forward it wraps, if any
         self.inner = module.forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.inner(*args, **kwargs)
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                self.on_interrupt()
-            raise
+        self.live = False
 
     def install(self) -> None:
         object.__setattr__(self.module, "forward", self)
+        self.live = True
 
     def uninstall(self) -> None:
+        self.live = False
         if self.module.__dict__.get("forward") is self:
             if self.previous is None:
                 del self.module.__dict__["forward"]
             else:
                 object.__setattr__(self.module, "forward", self.previous)
 
+    remove = uninstall
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_plain_forward, (self.module, self.previous))
 
 
+class ForwardGuard(_InstanceForward):
+    """Wraps a module's ``forward`` in try/finally for what hooks cannot see.
+
+    torch's ``always_call`` forward hooks run for ``Exception`` only; ``KeyboardInterrupt`` and
+    ``SystemExit`` skip them. The guard calls ``on_interrupt()`` for those, then re-raises.
+    """
+
+    def __init__(self, module: nn.Module, on_interrupt: Any) -> None:
+        super().__init__(module)
+        self.on_interrupt = on_interrupt
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException as error:
+            if self.live and not isinstance(error, Exception):
+                self.on_interrupt()
+            raise
+
+
+class HookedForward(_InstanceForward):
+    """A pre- and a post-hook run around ``forward`` instead of as module hooks.
+
+    For modules whose forward looks at their own hook dictionaries: torch's fused
+    ``nn.TransformerEncoderLayer`` path is switched off while a layer has any forward hook.
+    ``enter(module, args)`` and ``exit(module, args, kwargs, output)`` are called like module
+    hooks; a non-``None`` result of ``exit`` replaces the output.
+    """
+
+    def __init__(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
+        super().__init__(module)
+        self.enter, self.exit = enter, exit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.live:
+            return self.inner(*args, **kwargs)
+        self.enter(self.module, args)
+        output = self.inner(*args, **kwargs)
+        replaced = self.exit(self.module, args, kwargs, output)
+        return output if replaced is None else replaced
+
+
 def _plain_forward(module: nn.Module, previous: Any) -> Any:
-    """What a copy's ``forward`` attribute becomes: the one the guard wrapped."""
+    """What a copy's ``forward`` attribute becomes: the one the wrapper wrapped."""
     return previous if previous is not None else type(module).forward.__get__(module)

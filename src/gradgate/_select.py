@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._errors import (
@@ -125,6 +126,7 @@ def resolve_blocks(
         names = blocks(model)
         lookup = dict(model.named_modules())
         return [(name, lookup[name]) for name in names]
+    spec = _pattern("blocks=", spec, allow_root=False)  # numpy / 0-d tensor positions
     if isinstance(spec, nn.Module) or not isinstance(spec, (str, int, slice, Sequence)):
         raise UnknownModuleError(
             f"blocks={spec!r:.80} ({type(spec).__name__}); expected block names, globs or "
@@ -182,14 +184,23 @@ def _match(model: nn.Module, pattern: Pattern, *, include_parameters: bool) -> l
     if not isinstance(pattern, str):
         return _match_block_positions(model, pattern)
     segments = pattern.split(".") if pattern else []
-    from_root = _walk(model, "", segments, include_parameters)
-    if from_root:
-        return from_root
-    anywhere: list[str] = []
-    if segments:
-        for name, module in model.named_modules():
-            if name:
-                anywhere.extend(_walk(module, name, segments, include_parameters))
+    try:
+        from_root = _walk(model, "", segments, include_parameters)
+        if from_root:
+            return from_root
+        anywhere: list[str] = []
+        if segments:
+            for name, module in model.named_modules():
+                if name:
+                    anywhere.extend(_walk(module, name, segments, include_parameters))
+    except _RangeOutOfBounds as bad:
+        owner, segment, n = bad.args
+        where, full = (repr(owner), f"{owner}.") if owner else (type(model).__name__, "")
+        raise UnknownModuleError(
+            f"the range {pattern!r} does not fit: {where} has {n} numbered children (0..{n - 1}),"
+            f" and {segment!r} reaches past them; expected bounds in -{n}..{n}, e.g. "
+            f"'{full}0:{n}' for all of them or '{full}-2:' for the last two."
+        ) from None
     if not anywhere:
         raise UnknownModuleError(_unknown_message(model, pattern, include_parameters))
     is_exact = not (_GLOB_CHARS & set(pattern)) and not any(_RANGE.match(s) for s in segments)
@@ -233,6 +244,9 @@ def _walk(
     if range_match and ":" in head:
         numbered = sorted((n for n in children if n.isdigit()), key=int)
         start, stop = (int(v) if v else None for v in range_match.groups())
+        count = len(numbered)
+        if count and any(b is not None and not -count <= b <= count for b in (start, stop)):
+            raise _RangeOutOfBounds(prefix, head, count)
         names = numbered[start:stop]
     else:
         names = [n for n in children if fnmatch.fnmatchcase(n, head)]
@@ -243,6 +257,10 @@ def _walk(
             if fnmatch.fnmatchcase(param_name, head):
                 found.append(join(param_name))
     return found
+
+
+class _RangeOutOfBounds(Exception):
+    """(owner, segment, count): a range whose bounds pass the owner's numbered children."""
 
 
 def _unknown_message(model: nn.Module, pattern: str, include_parameters: bool) -> str:
@@ -422,6 +440,8 @@ def _pattern(function: str, pattern: Any, allow_root: bool) -> Any:
         return pattern
     if isinstance(pattern, (bool, slice)) or not hasattr(pattern, "__index__"):
         return pattern  # slices as given; other types are refused by the selection with a hint
+    if isinstance(pattern, torch.Tensor) and (pattern.dim() or pattern.dtype == torch.bool):
+        return pattern  # a bool tensor or a one-element vector is not a position
     try:
         return operator.index(pattern)  # numpy integers, 0-d integer tensors
     except TypeError:

@@ -21,6 +21,17 @@ from ._autograd import Node, is_leaf, tensors_in, walk
 from ._hooks import GateHook, HookSet
 
 
+def runs_itself(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own. Containers (``nn.ModuleList``,
+    ``nn.ModuleDict``, ``nn.ParameterList``, ``nn.ParameterDict``) have none and are never
+    called, so a forward hook on one never runs, not even to remove itself from a copy.
+
+    >>> runs_itself(nn.Linear(2, 2)), runs_itself(nn.ModuleList([nn.Linear(2, 2)]))
+    (True, False)
+    """
+    return "forward" in vars(module) or type(module).forward is not nn.Module.forward
+
+
 @dataclass
 class _Call:
     name: str
@@ -31,10 +42,11 @@ class _Call:
 class ModuleTagger:
     """Tags autograd nodes with the qualified name of the module that created them.
 
-        ``labels`` maps node -> module name; ``on_tag(node, name)`` is called for each new tag.
-        ``current()`` names the innermost module running now (``None`` outside the model).
-        Hooks are registered on ``__enter__`` and all removed on ``__exit__``; a copy of the model
-    made meanwhile (``copy.deepcopy``, ``torch.save``) carries none of them.
+    ``labels`` maps node -> module name; ``on_tag(node, name)`` is called for each new tag.
+    ``current()`` names the innermost module running now (``None`` outside the model).
+    Hooks are registered on ``__enter__`` (not on containers such as ``nn.ModuleList``, which
+    are never called) and all removed on ``__exit__``; a copy of the model made meanwhile
+    (``copy.deepcopy``, ``torch.save``) sheds them at its first forward.
 
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
@@ -59,6 +71,8 @@ class ModuleTagger:
     def __enter__(self) -> ModuleTagger:
         try:
             for name, module in self.model.named_modules():
+                if not runs_itself(module):
+                    continue  # a container: it is never called, its members are
                 self._hooks.pre(module, GateHook(self, "_entered", name))
                 self._hooks.post(module, GateHook(self, "_left", name), always_call=True)
         except BaseException:

@@ -39,6 +39,7 @@ from ._errors import InvalidOptionError, NoTensorError, TransformError
 from ._handles import Handle
 from ._hooks import GateHook, HookSet
 from ._select import Pattern, check_module, check_patterns, resolve_modules
+from ._tagging import runs_itself
 from ._validate import check_choice
 
 On = Literal["params", "input", "both"]
@@ -160,14 +161,16 @@ def grad_transform(
     for name, module in matched:
         if on in ("params", "both"):
             _hook_parameters(handle, name, module, fn)
-            hooks.pre(module, GateHook(handle, "_params_forward", name))
-        if on in ("input", "both"):
+            if runs_itself(module):  # a container is never called: the hook above is all
+                hooks.pre(module, GateHook(handle, "_params_forward", name))
+        if on in ("input", "both") and runs_itself(module):
             hooks.pre(
                 module, GateHook(handle, "_input_forward", name), with_kwargs=True, prepend=True
             )
     # Registered last and prepended: decides the step before any module hook of this model.
     hook = GateHook(handle, "_model_forward", repr(pattern), count == "forward")
-    hooks.pre(model, hook, prepend=True)
+    if runs_itself(model):
+        hooks.pre(model, hook, prepend=True)
     return handle
 
 

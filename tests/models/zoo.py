@@ -165,6 +165,103 @@ def wav2vec2() -> nn.Module:
     return Wav2Vec2ForCTC(config)
 
 
+def whisper() -> nn.Module:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_source_positions=8,
+        max_target_positions=16,
+        dropout=0.0,
+        encoder_layerdrop=0.4,
+        decoder_layerdrop=0.4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    )
+    return WhisperForConditionalGeneration(config)
+
+
+def _mels(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_features": torch.randn(2, 8, 16, generator=generator),
+        "decoder_input_ids": _ids(seed + 1000, 5),
+    }
+
+
+def _decoder_only(kind: str) -> Callable[[], nn.Module]:
+    """A tiny causal LM of one of transformers' decoder-only families."""
+
+    def build() -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, f"{kind}Config")(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            head_dim=8,
+            tie_word_embeddings=False,
+        )
+        return getattr(transformers, f"{kind}ForCausalLM")(config)
+
+    return build
+
+
+def roberta() -> nn.Module:
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    config = RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=24,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=40,
+        tie_word_embeddings=False,
+    )
+    return RobertaForMaskedLM(config)
+
+
+def vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=24,
+        image_size=16,
+        patch_size=8,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return ViTForImageClassification(config)
+
+
+def _pixels(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
+
+
 def _audio(seed: int) -> dict[str, Any]:
     return {"input_values": torch.randn(2, 400, generator=torch.Generator().manual_seed(seed))}
 
@@ -282,7 +379,20 @@ ZOO: dict[str, Entry] = {
         ["vision_model.encoder.layers.*", "text_model.encoder.layers.*"],
         ["text_model.final_layer_norm", "text_projection"],
     ),
+    "whisper": Entry(
+        whisper,
+        _mels,
+        _logits_loss,
+        ["model.encoder.layers.*", "model.decoder.layers.*"],
+        ["model.decoder.layer_norm", "proj_out"],
+    ),
     "wav2vec2": Entry(wav2vec2, _audio, _logits_loss, None, ["lm_head"]),
+    **{
+        kind.lower(): Entry(_decoder_only(kind), _tokens, _logits_loss, None, ["lm_head"])
+        for kind in ["Llama", "Mistral", "Qwen2", "Gemma"]
+    },
+    "roberta": Entry(roberta, _tokens, _logits_loss, None, ["lm_head"]),
+    "vit": Entry(vit, _pixels, _logits_loss, None, ["classifier"]),
     "layerdrop_mlp": Entry(LayerDropMLP, _vector, _sum_loss, None, ["head"]),
     "shared_layer": Entry(SharedLayer, _vector, _sum_loss, ["layer"], ["other", "head"]),
     "reversed": Entry(Reversed, _vector6, _sum_loss, None, ["head"]),

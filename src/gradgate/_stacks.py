@@ -1,0 +1,89 @@
+"""The stacks of blocks as they run: their order, and which modules run after each.
+
+A gate's blocks come in stacks (the containers they live in: an encoder's layers, a decoder's
+layers, two towers). Each forward records which stack ran first and which outside module (an
+embedding, a final norm, a head) ran before or after each stack; the cut uses that to open after
+a stack that LayerDrop skipped entirely, and to refuse stacks listed against their run order.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._errors import BlockCallError
+from ._frames import Frame
+from ._select import ancestors
+
+
+class Stacks:
+    """The stack of each block position, the outside modules, and what runs after each stack."""
+
+    def __init__(self, model: nn.Module, points: list[tuple[str, nn.Module]]) -> None:
+        self._model, self._points = model, points
+        self.names = [name.rpartition(".")[0] for name, _ in points]
+        ids = {stack: i for i, stack in enumerate(dict.fromkeys(self.names))}
+        self.of = [ids[stack] for stack in self.names]
+        self.outside = outside_modules(model, points)
+        self._after: dict[int, set[int]] = {}  # stack -> outside modules seen only after it
+        self._before: dict[int, set[int]] = {}
+
+    def start(self, frame: Frame, position: int, *, planned: bool) -> None:
+        """The first block of a stack runs in this forward: stacks run in their listed order."""
+        stack = self.of[position]
+        if planned and frame.stacks_ran and stack < max(frame.stacks_ran):
+            order = [*frame.stacks_ran, stack]
+            order += [s for s in dict.fromkeys(self.of) if s not in order]
+            raise BlockCallError(
+                "the stacks of blocks run in another order than listed: "
+                f"{self.names[self.of.index(frame.stacks_ran[-1])]!r} ran before "
+                f"{self.names[position]!r}, which is listed first. depth counts blocks in the "
+                "listed order, so the cut would fall in the wrong place. Pass them in the order "
+                f"they run: blocks={self._patterns(order)}"
+            )
+        frame.stacks_ran.append(stack)
+
+    def seen_after(self, stack: int, index: int) -> bool:
+        """Whether outside module ``index`` ran after ``stack`` (and never before it) so far."""
+        return index in self._after.get(stack, ()) and index not in self._before.get(stack, ())
+
+    def learn(self, frame: Frame) -> None:
+        """Take note of what ran before and after each stack in a forward that completed."""
+        for order, stack in enumerate(frame.stacks_ran):
+            after = self._after.setdefault(stack, set())
+            before = self._before.setdefault(stack, set())
+            for index, stacks_ran in frame.outside_calls:
+                (after if order < stacks_ran else before).add(index)
+
+    def _patterns(self, order: list[int]) -> list[str]:
+        patterns: list[str] = []
+        for stack in order:
+            names = [n for (n, _), s in zip(self._points, self.of, strict=True) if s == stack]
+            container = self.names[self.of.index(stack)]
+            children = self._model.get_submodule(container).named_children()
+            whole = names == [f"{container}.{child}" for child, _ in children]
+            patterns += [f"{container}.*"] if container and whole else names
+        return patterns
+
+
+def outside_modules(model: nn.Module, points: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The largest modules that are neither blocks, inside blocks, nor holders of blocks.
+
+    These are the embeddings, final norms and heads around the stacks.
+    """
+    inside = {id(m) for _, block in points for m in block.modules()}
+    holders = {id(model.get_submodule(a)) for name, _ in points for a in ancestors(name)}
+    found: list[nn.Module] = []
+    seen = {id(model)}
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in seen or id(child) in inside:
+                continue
+            seen.add(id(child))
+            if id(child) in holders or type(child).forward is nn.Module.forward:
+                walk(child)  # a container of blocks, or a ModuleList / ModuleDict (no forward)
+            else:
+                found.append(child)
+
+    walk(model)
+    return found
