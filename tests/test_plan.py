@@ -133,11 +133,72 @@ def test_learn_on_a_real_gpt2_with_a_module_name() -> None:
     blocks_learning = {n.split(".")[2] for n in learned if n.startswith("transformer.h.")}
     assert blocks_learning == {"2"}
     assert {"transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"} <= learned
+    assert "transformer.wpe.weight" not in learned  # runs after wte, not in the learning set
     for name in learned:
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, full[name], msg=name)
     gate.depth = 1  # a depth replaces the learning set
     assert gate.learn is None
     gate.remove()
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.l2(torch.tanh(self.l1(h)))
+
+
+class Nested(nn.Module):
+    """Token and position embeddings, blocks of two layers each, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Linear(3, 6), nn.Linear(3, 6)
+        self.blocks = nn.ModuleList(TwoLayers() for _ in range(4))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    ("learn", "learners"),
+    [
+        ({"blocks.2.l1"}, {"blocks.2.l1", "head"}),  # a layer inside a block, not its neighbour
+        ({"blocks.*.l2"}, {f"blocks.{i}.l2" for i in range(4)} | {"head"}),  # one in each block
+        ({"tok", 2}, {"tok", "blocks.2", "head"}),  # pos runs after tok: frozen for the step
+        ({"pos", 3}, {"pos", "blocks.3", "head"}),
+        ({1, "blocks.3.l2"}, {"blocks.1", "blocks.3.l2", "head"}),
+    ],
+)
+def test_learn_with_module_names_trains_exactly_those_modules(
+    learn: set[int | str], learners: set[str]
+) -> None:
+    torch.manual_seed(0)
+    model = Nested()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3)
+    named = dict(reference.named_parameters())
+    full = dict(
+        zip(named, torch.autograd.grad(reference(x).sum(), list(named.values())), strict=True)
+    )
+    gate = gg.BackpropGate(model)
+    gate.learn = learn
+    for _ in range(2):  # the second step: nothing frozen for the first one stays frozen
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        for name, param in model.named_parameters():
+            if any(name.startswith(f"{learner}.") for learner in learners):
+                torch.testing.assert_close(param.grad, full[name], msg=name)
+            else:
+                assert param.grad is None, name
+    gate.remove()
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_skipping_a_block_that_changes_shape_raises() -> None:

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from ._autograd import tensors_in
-from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
+from ._errors import (
+    BlockCallError,
+    BlockCallWarning,
+    CheckpointAfterCutWarning,
+    SharedParameterWarning,
+    warn,
+)
 
 
 def require_a_forward(model: nn.Module) -> None:
@@ -29,8 +35,9 @@ def has_graph(output: Any) -> bool:
     return not tensors or any(t.requires_grad for t in tensors)
 
 
-def freeze_for_call(module: nn.Module) -> list[nn.Parameter]:
-    params = [p for p in module.parameters() if p.requires_grad]
+def freeze_for_call(module: nn.Module, keep: frozenset[int] = frozenset()) -> list[nn.Parameter]:
+    """Freeze a module's trainable parameters for one call, all but those whose id is in keep."""
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in keep]
     for param in params:
         param.requires_grad_(False)
     return params
@@ -108,3 +115,33 @@ def check_block_output_learns(name: str, block: nn.Module, output: Any) -> bool:
         )
         return True
     return False
+
+
+NOTHING_LEARNS = (
+    "nothing that runs after the cut has trainable parameters (nothing runs after the last "
+    "block, or all of it has requires_grad=False, e.g. a frozen head with adapters only in "
+    "cut-off blocks), so the output has no graph and backward would fail. Choose a larger "
+    "depth, or unfreeze a module after the cut."
+)
+
+
+def warn_never_opened() -> None:
+    warn(
+        "the cut never opened in this forward, so nothing in it learns: no learning block ran "
+        "(LayerDrop skipped every block of the stack, or the plan names blocks that did not "
+        "run), and no module ran that earlier forwards of this gate saw run after the stack "
+        "(gradgate learns that from a forward in which the stack ran). Lower the layerdrop "
+        "probability, run one forward in eval mode first, or choose a plan with a block that "
+        "always runs.",
+        BlockCallWarning,
+    )
+
+
+def warn_shared_straddles(before: str, after: str) -> None:
+    warn(
+        f"a parameter shared by {before!r} and {after!r} is used before the cut and again after "
+        f"it: only the use after the cut (by {after!r}) gets a gradient, so its .grad differs "
+        "from full backprop. Untie the weights, or accept the partial gradient (the usual "
+        "choice for tied embeddings).",
+        SharedParameterWarning,
+    )

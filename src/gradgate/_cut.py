@@ -19,6 +19,7 @@ from torch import nn
 
 from ._autograd import tensors_in
 from ._block_calls import (
+    NOTHING_LEARNS,
     blocks_sharing_parameters,
     check_block_output_learns,
     distributed_running,
@@ -27,8 +28,10 @@ from ._block_calls import (
     pass_around,
     require_a_forward,
     shared_parameter_owners,
+    warn_never_opened,
+    warn_shared_straddles,
 )
-from ._errors import BlockCallWarning, GradgateError, SharedParameterWarning, warn
+from ._errors import BlockCallWarning, GradgateError, warn
 from ._frames import (
     Frame,
     close_frame,
@@ -68,9 +71,12 @@ class _Cut(Handle):
         self._first: int | None = None  # the first block that opens the cut (cached per plan)
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
+        self._keep: frozenset[int] = frozenset()  # ids of their parameters
+        self._extra_blocks = self._extra_outside = frozenset[int]()  # where they are
         self._warned: set[str] = set()
         self._stacks = Stacks(model, points)
         self._shared = shared_parameter_owners(model)
+        self._shared_ids = frozenset(id(param) for param, _ in self._shared)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
         self._ddp_checked = not distributed_running()
@@ -109,6 +115,8 @@ class _Cut(Handle):
             self._extra_hooks.remove()
             for module in extra:
                 self._extra_hooks.pre(module, GateHook(self, "_enter_extra"))
+            self._keep = frozenset(id(p) for module in extra for p in module.parameters())
+            self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra, self._first = learn, extra, None
         self._apply_to_fsdp()
 
@@ -237,8 +245,10 @@ class _Cut(Handle):
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
             torch.set_grad_enabled(False)
-        elif frame.opened and not learns and torch.is_grad_enabled():
-            frame.frozen[position] = freeze_for_call(module)
+        elif not learns and (
+            position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
+        ):  # a named module inside it may learn (and open the cut): the rest of it does not
+            frame.frozen[position] = freeze_for_call(module, self._keep)
 
     def _exit_block(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -278,24 +288,31 @@ class _Cut(Handle):
         """An embedding, norm or head ran: open the cut here if LayerDrop skipped the stack.
 
         No block hook can open the cut then; it opens at the first module that earlier forwards
-        saw run after that stack (never before it: registration order is no guide).
+        saw run after that stack (never before it: registration order is no guide). Under a
+        learning set, one that runs after the cut unnamed, and not after the last stack, is
+        frozen for the step.
         """
         frame = self._own_frame()
         if frame is None:
             return
         frame.outside_calls.append((index, len(frame.stacks_ran)))
-        if not frame.blocking or frame.opened:
-            return
-        stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
-        if stack in frame.stacks_ran:
-            return  # the stack's own blocks decide where the cut opens
-        if self._stacks.seen_after(stack, index):
-            self._enter_extra(module, args)
+        if frame.blocking and not frame.opened:
+            stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
+            if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):
+                self._enter_extra(module, args)  # else the stack's own blocks open the cut
+        elif (
+            isinstance(self._learn, frozenset)  # a learning set freezes what it does not name
+            and frame.opened
+            and torch.is_grad_enabled()
+            and index not in self._extra_outside
+            and not self._stacks.runs_after_last(frame, index)
+        ):
+            frame.held.extend(freeze_for_call(module, self._keep | self._shared_ids))
 
     def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is not None and frame.blocking:
-            frame.shared_uses.setdefault(index, set()).add(frame.opened)
+            frame.shared_uses.setdefault(index, {}).setdefault(frame.opened, module)
 
     # -- opening and closing the cut -----------------------------------------------------------
     def _opens_after(self, position: int) -> bool:
@@ -363,35 +380,15 @@ class _Cut(Handle):
     # -- diagnostics ---------------------------------------------------------------------------
     def _warn_after_forward(self, frame: Frame, never_opened: bool, nothing_learns: bool) -> None:
         if never_opened:
-            warn(  # every time: it is about this step
-                "the cut never opened in this forward, so nothing in it learns: no learning "
-                "block ran (LayerDrop skipped every block of the stack, or the plan names blocks "
-                "that did not run), and no module ran that earlier forwards of this gate saw run "
-                "after the stack (gradgate learns that from a forward in which the stack ran). "
-                "Lower the layerdrop probability, run one forward in eval mode first, or choose "
-                "a plan with a block that always runs.",
-                BlockCallWarning,
-            )
+            warn_never_opened()  # every time: it is about this step
         if nothing_learns:
-            self._warn_once(
-                "nothing-learns",
-                "nothing that runs after the cut has trainable parameters (nothing runs after "
-                "the last block, or all of it has requires_grad=False, e.g. a frozen head with "
-                "adapters only in cut-off blocks), so the output has no graph and backward "
-                "would fail. Choose a larger depth, or unfreeze a module after the cut.",
-            )
-        straddling = [i for i, when in frame.shared_uses.items() if when == {False, True}]
+            self._warn_once("nothing-learns", NOTHING_LEARNS)
+        straddling = [uses for uses in frame.shared_uses.values() if len(uses) == 2]
         if straddling and "shared" not in self._warned:
             self._warned.add("shared")
             names = {id(m): n for n, m in self._model.named_modules(remove_duplicate=False)}
-            uses = [names.get(id(m), "?") for m in self._shared[straddling[0]][1]]
-            warn(
-                f"a parameter shared by {uses[0]!r} and {uses[1]!r} is used before the cut "
-                "and again after it: only the use after the cut gets a gradient, so its .grad "
-                "differs from full backprop. Untie the weights, or accept the partial gradient "
-                "(the usual choice for tied embeddings).",
-                SharedParameterWarning,
-            )
+            before, after = (names.get(id(straddling[0][k]), "?") for k in (False, True))
+            warn_shared_straddles(before, after)
 
     def _warn_outside_call(self, position: int) -> None:
         if self._learn is None or not torch.is_grad_enabled() or grad_held_off():

@@ -52,7 +52,7 @@ class Frame:
     block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
     checked: bool = False  # the first learning block's output was checked
     explained: bool = False  # a warning already said why the output may have no graph
-    shared_uses: dict[int, set[bool]] = field(default_factory=dict)
+    shared_uses: dict[int, dict[bool, nn.Module]] = field(default_factory=dict)  # by opened
 
 
 def grad_held_off() -> bool:

@@ -24,6 +24,10 @@ class Stacks:
         ids = {stack: i for i, stack in enumerate(dict.fromkeys(self.names))}
         self.of = [ids[stack] for stack in self.names]
         self.outside = outside_modules(model, points)
+        self._owner = {id(m): ("block", i) for i, (_, b) in enumerate(points) for m in b.modules()}
+        self._owner |= {
+            id(m): ("outside", i) for i, o in enumerate(self.outside) for m in o.modules()
+        }
         self._after: dict[int, set[int]] = {}  # stack -> outside modules seen only after it
         self._before: dict[int, set[int]] = {}
 
@@ -41,6 +45,20 @@ class Stacks:
                 f"they run: blocks={self._patterns(order)}"
             )
         frame.stacks_ran.append(stack)
+
+    def holding(self, modules: tuple[nn.Module, ...]) -> tuple[frozenset[int], frozenset[int]]:
+        """Block positions holding one of ``modules``; outside modules that are (inside) one."""
+        blocks = {
+            self._owner[id(m)][1] for m in modules if self._owner.get(id(m), ("",))[0] == "block"
+        }
+        inside = {id(n) for m in modules for n in m.modules()}
+        outside = {i for i, o in enumerate(self.outside) if id(o) in inside}
+        return frozenset(blocks), frozenset(outside)
+
+    def runs_after_last(self, frame: Frame, index: int) -> bool:
+        """Whether outside module ``index`` runs after the last stack (a final norm, a head)."""
+        last = self.of[-1]
+        return last in frame.stacks_ran or self.seen_after(last, index)
 
     def seen_after(self, stack: int, index: int) -> bool:
         """Whether outside module ``index`` ran after ``stack`` (and never before it) so far."""
