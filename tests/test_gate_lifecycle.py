@@ -134,6 +134,41 @@ def test_two_threads_forwarding_one_gated_model_each_get_their_graph() -> None:
             torch.testing.assert_close(got, want)
 
 
+def test_two_threads_in_one_model_with_a_prefix_mode_is_an_error_and_leaves_the_modes() -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)) for _ in range(4)])
+    model.train()
+    inside, leave = threading.Event(), threading.Event()
+
+    def wait_once(module: nn.Module, args: object) -> None:
+        if not inside.is_set():
+            inside.set()
+            leave.wait(10)
+
+    model[1].register_forward_pre_hook(wait_once)
+    gate = gg.BackpropGate(model, depth=2, prefix_mode="eval")
+    first: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            model(torch.randn(3, 4)).sum().backward()
+            first["done"] = True
+        except BaseException as error:  # reported to the main thread
+            first["done"] = error
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    assert inside.wait(10)  # the first thread is before its cut: its prefix is in eval
+    with pytest.raises(gg.BlockCallError, match=r"prefix_mode='eval' sets module\.training"):
+        model(torch.randn(3, 4))
+    leave.set()
+    thread.join()
+    assert first["done"] is True
+    assert all(m.training for m in model.modules())
+    assert model[3][0].weight.grad is not None and model[0][0].weight.grad is None
+    gate.remove()
+    assert all(m.training for m in model.modules()) and torch.is_grad_enabled()
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_a_copy_of_a_gated_model_is_a_plain_model(how: str) -> None:
     model = _model()

@@ -37,6 +37,7 @@ from ._frames import (
     close_frame,
     grad_held_off,
     open_frames,
+    push_frame,
     recover_stale_frames,
     root_call_site,
 )
@@ -65,7 +66,7 @@ class _Cut(Handle):
         super().__init__(self._remove_hooks, description=f"cut in {type(model).__name__}")
         self._model = model
         self._points = points
-        self._prefix_mode = prefix_mode
+        self.prefix_mode = prefix_mode
         self._check_ranks = check_ranks
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (cached per plan)
@@ -173,14 +174,9 @@ class _Cut(Handle):
             check_same_plan(self._plan_key())
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
-        frame = Frame(
-            gate=self,
-            call_site=root_call_site(),
-            grad_before=grad,
-            blocking=blocking,
-            training=self._set_prefix_mode() if blocking else [],
-        )
-        open_frames().append(frame)
+        frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
+        push_frame(frame, alone=blocking and self.prefix_mode != "keep")
+        frame.training = self._set_prefix_mode() if blocking else []
         if blocking:
             torch.set_grad_enabled(False)
             if torch.is_autocast_cache_enabled():
@@ -366,7 +362,7 @@ class _Cut(Handle):
         runs before the cut after it opened once (it closes again between blocks) gets the
         prefix mode for its own call.
         """
-        if self._prefix_mode == "keep":
+        if self.prefix_mode == "keep":
             return []
         keep = {""} | {a for name, _ in self._points for a in ancestors(name)}
         changed = []
@@ -374,7 +370,7 @@ class _Cut(Handle):
         for name, module in named:
             if name not in keep:
                 changed.append((module, module.training))
-                module.training = self._prefix_mode == "train"
+                module.training = self.prefix_mode == "train"
         return changed
 
     # -- diagnostics ---------------------------------------------------------------------------

@@ -18,16 +18,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import CheckpointAfterCutWarning, warn
+from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
 
 _THREAD = threading.local()  # the gated root forwards running in this thread, outermost first
+_EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for in_other_thread
+_ENTERING = threading.Lock()  # one thread at a time between checking and pushing a frame
 
 
 def open_frames() -> list[Frame]:
     frames: list[Frame] | None = getattr(_THREAD, "frames", None)
     if frames is None:
-        frames = _THREAD.frames = []
+        frames = _THREAD.frames = _EVERY_THREAD[threading.get_ident()] = []
     return frames
+
+
+def push_frame(frame: Frame, *, alone: bool) -> None:
+    """Open a frame; with ``alone``, refuse while another thread has a frame of the same gate.
+
+    A gate that sets ``module.training`` for its prefix cannot serve two threads at once: the
+    flags are shared, so each thread would save and restore the other's temporary modes.
+    """
+    with _ENTERING:
+        me = threading.get_ident()
+        if alone and any(
+            f.gate is frame.gate
+            for thread, frames in _EVERY_THREAD.items()
+            if thread != me
+            for f in list(frames)
+        ):
+            raise BlockCallError(
+                f"another thread is running a forward of this gated model, and "
+                f"prefix_mode={frame.gate.prefix_mode!r} sets module.training, which all threads "
+                "share: one thread's cut-off blocks and the other's learning blocks cannot both "
+                "have their mode. Use prefix_mode='keep' (set the modes yourself), or give each "
+                "thread its own copy of the model."
+            )
+        open_frames().append(frame)
 
 
 @dataclass(eq=False)
@@ -38,7 +64,7 @@ class Frame:
     call_site: FrameType | None  # the root's Python call frame: gone from the stack = stale
     grad_before: bool
     blocking: bool
-    training: list[tuple[nn.Module, bool]]
+    training: list[tuple[nn.Module, bool]] = field(default_factory=list)
     autocast_cache: bool | None = None  # the cache setting to restore at the cut, if changed
     opened: bool = False
     tentative: int | None = None  # opened after this block; a later non-learner closes again
