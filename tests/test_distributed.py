@@ -391,6 +391,20 @@ def gate_with_check_ranks(rank: int, record: dict[str, Any]) -> None:
     gate.remove()
 
 
+def check_ranks_sees_which_modules_learn(rank: int, record: dict[str, Any]) -> None:
+    """Plans that differ only in a module named in learn (same count) are a mismatch too."""
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)
+    gate = gg.BackpropGate(model, check_ranks=True)
+    gate.learn = {3, "2.0"}
+    ddp(batch(rank, 0)).pow(2).sum().backward()  # the same modules on both ranks: fine
+    ddp.zero_grad(set_to_none=True)
+    gate.learn = {3, ["1.0", "2.0"][rank]}  # the same count, different modules
+    with pytest.raises(gg.RankMismatchError):
+        ddp(batch(rank, 1))
+    gate.remove()
+
+
 def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -472,6 +486,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     check_same_plan_agrees_and_disagrees,
     check_same_plan_does_not_hang,
     gate_with_check_ranks,
+    check_ranks_sees_which_modules_learn,
     fsdp2_all_gathers_only_learning_blocks,
 ]
 
@@ -487,7 +502,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
         try:
             scenario(rank, record)
             record["outcome"] = "ok"
-        except Exception:
+        except (Exception, pytest.fail.Exception):  # a failed pytest.raises is no Exception
             record["outcome"] = traceback.format_exc()
         record["seconds"] = time.perf_counter() - start
         results[scenario.__name__] = record

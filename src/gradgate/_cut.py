@@ -39,6 +39,7 @@ from ._frames import (
 )
 from ._handles import Handle
 from ._hooks import ForwardGuard, GateHook, HookSet
+from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
 from ._validate import check_choice
@@ -64,6 +65,7 @@ class _Cut(Handle):
         self._points = points
         self._prefix_mode = prefix_mode
         self._check_ranks = check_ranks
+        self._key = PlanKey(model)
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (cached per plan)
         self._skip: frozenset[int] = frozenset()
@@ -138,10 +140,6 @@ class _Cut(Handle):
         ]
         self._fsdp_restore = apply_plan_to_fsdp([m for _, m in self._points], in_backward)
 
-    def _plan_key(self) -> tuple[int, ...]:
-        learn = (-1,) if self._learn is None else tuple(sorted(self._learn))
-        return (*learn, -2, *sorted(self._skip), -3, len(self._extra))
-
     def _require_active(self) -> None:
         if not self.active:
             raise GradgateError(
@@ -162,7 +160,7 @@ class _Cut(Handle):
         if self._check_ranks:
             from .distributed import check_same_plan
 
-            check_same_plan(self._plan_key())
+            check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
         frame = Frame(
