@@ -405,6 +405,19 @@ def check_ranks_sees_which_modules_learn(rank: int, record: dict[str, Any]) -> N
     gate.remove()
 
 
+def gate_made_before_the_process_group_checks_ddp(rank: int, record: dict[str, Any]) -> None:
+    """A gate made before init_process_group (a LightningModule's __init__) still sees plain
+    DDP at its first forward and raises gradgate's error, not DDP's at the next step."""
+    dist.destroy_process_group()
+    model = make_model()
+    gate = gg.BackpropGate(model, depth=2)  # no process group yet
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    plain = DDP(model)
+    with pytest.raises(gg.GradgateError, match="find_unused_parameters=True"):
+        plain(batch(rank, 0))
+    gate.remove()
+
+
 def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -487,6 +500,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     check_same_plan_does_not_hang,
     gate_with_check_ranks,
     check_ranks_sees_which_modules_learn,
+    gate_made_before_the_process_group_checks_ddp,
     fsdp2_all_gathers_only_learning_blocks,
 ]
 

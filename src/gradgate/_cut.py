@@ -75,8 +75,8 @@ class _Cut(Handle):
         self._shared = shared_parameter_owners(model)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
-        self._ddp_checked = not distributed_running()
-        if not self._ddp_checked:
+        self._ddp_checked = False  # at a forward: the process group may start after the gate
+        if distributed_running():
             from .distributed import require_find_unused_parameters
 
             require_find_unused_parameters(model)
@@ -152,7 +152,7 @@ class _Cut(Handle):
         recover_stale_frames()
         if self._held and not any(f.gate is self for f in open_frames()):
             self._release()  # the last forward had no backward that reached its output
-        if not self._ddp_checked:  # a gate on ddp.module: find the wrapper once
+        if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
             from .distributed import calling_ddp, require_find_unused_parameters
 
             self._ddp_checked = True
