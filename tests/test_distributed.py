@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
+from gradgate._bench.distributed import counting_all_reduce
 from gradgate._fsdp import _fsdp_param_groups
 
 pytestmark = pytest.mark.slow
@@ -73,23 +74,6 @@ def assert_grads(model: nn.Module, expected: list[torch.Tensor | None], where: s
         else:
             assert param.grad is not None, f"{where}: parameter {i} has no gradient"
             torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-6, msg=where)
-
-
-@contextmanager
-def counting_all_reduce() -> Iterator[list[tuple[torch.dtype, int]]]:
-    """Record (dtype, bytes) of every torch.distributed.all_reduce called from Python."""
-    calls: list[tuple[torch.dtype, int]] = []
-    original = dist.all_reduce
-
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append((tensor.dtype, tensor.numel() * tensor.element_size()))
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = original
 
 
 def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tags: int = 0) -> int:
