@@ -398,3 +398,33 @@ def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
         rows["FreezeOut"]["optimizer_state_bytes"] < rows["full backprop"]["optimizer_state_bytes"]
     )
     assert "FreezeOut" in schedules.table(list(rows.values()))
+
+
+@pytest.mark.slow  # two spawned processes: about 8 s here
+def test_distributed_section_sends_the_trained_share() -> None:
+    from gradgate._bench import distributed
+
+    section = distributed.measure(blocks=3, width=8, steps=2, depths=(1, 2, None))
+    rows = {row["depth"]: row for row in section["rows"]}
+    assert list(rows) == [1, 2, None]
+    full = rows[None]["DDP_bytes"]
+    assert full > 0 and rows[None]["allreduce_trained_bytes"] == full
+    for depth in (1, 2):
+        row = rows[depth]
+        assert row["DDP_bytes"] == full  # plain DDP sends every gradient at every depth
+        assert 0 < row["allreduce_trained_bytes"] < full
+        assert row["ratio"] == pytest.approx(row["trained_share"], abs=1e-9)
+        assert row["max_grad_difference"] == 0.0
+    assert rows[1]["allreduce_trained_bytes"] < rows[2]["allreduce_trained_bytes"]
+    n_params = 2 + 3 * 6 + 2  # input Linear, 3 blocks (LayerNorm + 2 Linear), head
+    assert rows[1]["allreduce_trained_agreement_bytes"] == n_params  # one byte each
+    text = distributed.table(section)
+    assert "allreduce_trained" in text and "full" in text
+
+
+def test_json_may_carry_the_optional_sections(tmp_path: Path) -> None:
+    document = {"machine": {}, "results": [], "compile": [], "schedules": [], "distributed": {}}
+    report.write_json(document, tmp_path / "bench.json")
+    assert report.read_json(tmp_path / "bench.json") == document
+    with pytest.raises(ValueError, match="top-level keys"):
+        report.validate({**document, "other": 1})

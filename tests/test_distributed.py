@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
+from gradgate._bench.distributed import counting_all_reduce
 from gradgate._fsdp import _fsdp_param_groups
 
 pytestmark = pytest.mark.slow
@@ -73,23 +74,6 @@ def assert_grads(model: nn.Module, expected: list[torch.Tensor | None], where: s
         else:
             assert param.grad is not None, f"{where}: parameter {i} has no gradient"
             torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-6, msg=where)
-
-
-@contextmanager
-def counting_all_reduce() -> Iterator[list[tuple[torch.dtype, int]]]:
-    """Record (dtype, bytes) of every torch.distributed.all_reduce called from Python."""
-    calls: list[tuple[torch.dtype, int]] = []
-    original = dist.all_reduce
-
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append((tensor.dtype, tensor.numel() * tensor.element_size()))
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = original
 
 
 def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tags: int = 0) -> int:
@@ -391,6 +375,33 @@ def gate_with_check_ranks(rank: int, record: dict[str, Any]) -> None:
     gate.remove()
 
 
+def check_ranks_sees_which_modules_learn(rank: int, record: dict[str, Any]) -> None:
+    """Plans that differ only in a module named in learn (same count) are a mismatch too."""
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)
+    gate = gg.BackpropGate(model, check_ranks=True)
+    gate.learn = {3, "2.0"}
+    ddp(batch(rank, 0)).pow(2).sum().backward()  # the same modules on both ranks: fine
+    ddp.zero_grad(set_to_none=True)
+    gate.learn = {3, ["1.0", "2.0"][rank]}  # the same count, different modules
+    with pytest.raises(gg.RankMismatchError):
+        ddp(batch(rank, 1))
+    gate.remove()
+
+
+def gate_made_before_the_process_group_checks_ddp(rank: int, record: dict[str, Any]) -> None:
+    """A gate made before init_process_group (a LightningModule's __init__) still sees plain
+    DDP at its first forward and raises gradgate's error, not DDP's at the next step."""
+    dist.destroy_process_group()
+    model = make_model()
+    gate = gg.BackpropGate(model, depth=2)  # no process group yet
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    plain = DDP(model)
+    with pytest.raises(gg.GradgateError, match="find_unused_parameters=True"):
+        plain(batch(rank, 0))
+    gate.remove()
+
+
 def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -472,6 +483,8 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     check_same_plan_agrees_and_disagrees,
     check_same_plan_does_not_hang,
     gate_with_check_ranks,
+    check_ranks_sees_which_modules_learn,
+    gate_made_before_the_process_group_checks_ddp,
     fsdp2_all_gathers_only_learning_blocks,
 ]
 
@@ -487,7 +500,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
         try:
             scenario(rank, record)
             record["outcome"] = "ok"
-        except Exception:
+        except (Exception, pytest.fail.Exception):  # a failed pytest.raises is no Exception
             record["outcome"] = traceback.format_exc()
         record["seconds"] = time.perf_counter() - start
         results[scenario.__name__] = record

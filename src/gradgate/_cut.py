@@ -43,6 +43,7 @@ from ._frames import (
 )
 from ._handles import Handle
 from ._hooks import ForwardGuard, GateHook, HookSet
+from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
 from ._validate import check_choice
@@ -68,6 +69,7 @@ class _Cut(Handle):
         self._points = points
         self.prefix_mode = prefix_mode
         self._check_ranks = check_ranks
+        self._key = PlanKey(model)
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (cached per plan)
         self._skip: frozenset[int] = frozenset()
@@ -80,8 +82,8 @@ class _Cut(Handle):
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
-        self._ddp_checked = not distributed_running()
-        if not self._ddp_checked:
+        self._ddp_checked = False  # at a forward: the process group may start after the gate
+        if distributed_running():
             from .distributed import require_find_unused_parameters
 
             require_find_unused_parameters(model)
@@ -147,10 +149,6 @@ class _Cut(Handle):
         ]
         self._fsdp_restore = apply_plan_to_fsdp([m for _, m in self._points], in_backward)
 
-    def _plan_key(self) -> tuple[int, ...]:
-        learn = (-1,) if self._learn is None else tuple(sorted(self._learn))
-        return (*learn, -2, *sorted(self._skip), -3, len(self._extra))
-
     def _require_active(self) -> None:
         if not self.active:
             raise GradgateError(
@@ -163,7 +161,7 @@ class _Cut(Handle):
         recover_stale_frames()
         if self._held and not any(f.gate is self for f in open_frames()):
             self._release()  # the last forward had no backward that reached its output
-        if not self._ddp_checked:  # a gate on ddp.module: find the wrapper once
+        if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
             from .distributed import calling_ddp, require_find_unused_parameters
 
             self._ddp_checked = True
@@ -171,7 +169,7 @@ class _Cut(Handle):
         if self._check_ranks:
             from .distributed import check_same_plan
 
-            check_same_plan(self._plan_key())
+            check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)

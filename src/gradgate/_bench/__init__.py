@@ -138,6 +138,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="add the schedules section: RandomDepth, LISA, DropBP, FreezeOut and "
         "GradualUnfreeze side by side (backward FLOPs, saved bytes, optimizer state)",
     )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="add the distributed section: bytes all-reduced per step by plain DDP and by "
+        "gg.distributed.allreduce_trained at several depths (2 gloo processes on the CPU)",
+    )
 
 
 def _in_range(low: int, high: int) -> Callable[[str], int]:
@@ -176,6 +182,7 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--compile-backend", args.compile_backend]
     parts += ["--no-overheads"] if args.no_overheads else []
     parts += ["--schedules"] if args.schedules else []
+    parts += ["--distributed"] if args.distributed else []
     return " ".join(parts)
 
 
@@ -194,12 +201,15 @@ def run_command(args: argparse.Namespace) -> int:
             from . import schedules
 
             document["schedules"] = schedules.measure()
+        if args.distributed:
+            from . import distributed
+
+            document["distributed"] = distributed.measure()
         report.write_json(document, args.json)
     print(render(document, fmt="markdown" if args.markdown else "text"))
-    if "schedules" in document:
-        from . import schedules
-
-        print("\n" + schedules.table(document["schedules"]))
+    for section in (s for s in report.SECTIONS if s in document):
+        module = importlib.import_module(f"{__name__}.{section}")
+        print("\n" + module.table(document[section]))
     written = [] if args.from_json is not None else [str(args.json)]
     if not args.no_plot:
         report.plot(document, args.plot)

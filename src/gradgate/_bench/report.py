@@ -24,6 +24,7 @@ RESULT_KEYS = (
     "peak_bytes",
 )
 COMPILE_KEYS = ("method", "graphs", "recompiles")
+SECTIONS = ("schedules", "distributed")  # optional, printed in this order
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -41,7 +42,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def validate(document: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless the document has exactly the bench's JSON schema."""
-    if not isinstance(document, dict) or set(document) != {"machine", "results", "compile"}:
+    required = {"machine", "results", "compile"}
+    if not isinstance(document, dict) or not required <= set(document) <= required | set(SECTIONS):
         raise ValueError(f"top-level keys {sorted(document)}")
     if not isinstance(document["machine"], dict):
         raise ValueError("machine is not an object")
