@@ -9,8 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+
+def _call(function: Any, *args: Any) -> Any:
+    return function(*args)
+
+
+# Under torch.compile the gate's hooks run as one opaque eager call: dynamo neither traces the
+# gate's Python state (no guards on the plan, so no recompiles when the depth changes) nor
+# compiles the frames the hooks call. torch.compiler.disable costs microseconds per call, so
+# the hooks take that path only while dynamo traces or its frame callback is set.
+_opaque = torch.compiler.disable(_call)
+_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 
 
 class GateHook:
@@ -22,6 +35,8 @@ class GateHook:
         self.function, self.bound = getattr(owner, method), bound
 
     def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling() or _callback():
+            return _opaque(self.function, *self.bound, *args)
         return self.function(*self.bound, *args)
 
     def __reduce__(self) -> tuple[Any, ...]:
