@@ -86,6 +86,7 @@ def test_every_error_derives_from_the_root() -> None:
 
 def test_import_is_light() -> None:
     heavy = ["transformers", "graphviz", "matplotlib", "lightning", "rich", "sklearn", "tqdm"]
+    heavy += ["torch._dynamo"]  # about a second to import; only torch.compile needs it
     # Compared with what ``import torch`` alone loads (torch itself may pull in tqdm).
     code = (
         "import sys, torch\n"

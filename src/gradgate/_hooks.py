@@ -7,6 +7,7 @@ copy the first time it runs, so a copy is an ordinary model with no gradgate sta
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -18,11 +19,25 @@ def _call(function: Any, *args: Any) -> Any:
     return function(*args)
 
 
+def _opaque(function: Any, *args: Any) -> Any:
+    """``function(*args)`` under ``torch.compiler.disable``."""
+    return _disabled()(function, *args)
+
+
+def _disabled() -> Any:
+    """The disabled caller, made on first need: importing torch._dynamo takes about a second,
+    and only a compiled model needs it (a gate made once dynamo is loaded makes it at once)."""
+    global _DISABLED
+    if _DISABLED is None:
+        _DISABLED = torch.compiler.disable(_call)
+    return _DISABLED
+
+
 # Under torch.compile the gate's hooks run as one opaque eager call: dynamo neither traces the
 # gate's Python state (no guards on the plan, so no recompiles when the depth changes) nor
 # compiles the frames the hooks call. torch.compiler.disable costs microseconds per call, so
 # the hooks take that path only while dynamo traces or its frame callback is set.
-_opaque = torch.compiler.disable(_call)
+_DISABLED: Any = None
 _callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 
 
@@ -33,6 +48,8 @@ class GateHook:
 
     def __init__(self, owner: object, method: str, *bound: object) -> None:
         self.function, self.bound = getattr(owner, method), bound
+        if "torch._dynamo" in sys.modules:
+            _disabled()
 
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling() or _callback():
