@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
 from measure import forward_and_backward
 from models import gpt2
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradgate as gg
 
@@ -25,6 +27,50 @@ def test_autocast_does_not_cache_prefix_weight_copies() -> None:
     assert seen == [False, False, False, True]
     assert torch.is_autocast_cache_enabled()
     assert model[3].weight.grad is not None and model[2].weight.grad is None
+
+
+class _WeightCopies(TorchDispatchMode):
+    """Weak references to the bfloat16 copies autocast makes of given weights."""
+
+    def __init__(self, weights: dict[int, str]) -> None:
+        super().__init__()
+        self.weights, self.copies = weights, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.weights:
+            self.copies[self.weights[id(args[0])]] = weakref.ref(out)
+        return out
+
+
+def _prefix_copies_alive_when_the_suffix_starts(gated: bool) -> list[str]:
+    """Which prefix weights' bfloat16 copies are still alive when the learning block starts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    alive: list[str] = []
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        _WeightCopies({id(block.weight): name for name, block in model.named_children()}) as copies,
+    ):
+        model[3].register_forward_pre_hook(
+            lambda m, a: alive.extend(n for n, ref in copies.copies.items() if ref() is not None)
+        )
+        x = torch.randn(2, 8)
+        if gated:
+            with gg.backprop_depth(model, 1):
+                out = model(x)
+        else:  # the hand-written ideal: the prefix under no_grad
+            with torch.no_grad():
+                h = model[:3](x)
+            out = model[3](h)
+        out.float().sum().backward()
+        assert set(copies.copies) == {"0", "1", "2", "3"}  # autocast did cast every weight
+    return sorted(alive)
+
+
+def test_prefix_weight_copies_are_freed_before_the_suffix_runs() -> None:
+    assert _prefix_copies_alive_when_the_suffix_starts(gated=False) == ["0", "1", "2"]
+    assert _prefix_copies_alive_when_the_suffix_starts(gated=True) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
