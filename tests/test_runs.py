@@ -328,3 +328,5 @@ def test_a_gate_on_a_container_without_forward_says_what_to_gate() -> None:
     holder = nn.ModuleList([model[0], model[1]])
     with pytest.raises(gg.BlockCallError, match="has no forward of its own"):
         gg.BackpropGate(holder)
+    with pytest.raises(gg.BlockCallError, match="has no forward of its own"):
+        gg.BackpropGate(nn.ModuleList([nn.Linear(2, 2)]))  # not a sequence of blocks either

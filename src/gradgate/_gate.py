@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ._block_calls import require_a_forward
 from ._cut import PrefixMode, _Cut
 from ._errors import InvalidDepthError
 from ._select import Pattern, check_module, find_module, resolve_blocks, resolve_modules
@@ -42,6 +43,7 @@ class BackpropGate(_Cut):
         check_ranks: bool = False,
     ) -> None:
         check_module(model)
+        require_a_forward(model)  # before looking for blocks: a ModuleList is the usual slip
         points = resolve_blocks(model, blocks)
         depth = _validate_depth(depth, len(points), type(model).__name__)
         if not isinstance(check_ranks, bool):
