@@ -201,6 +201,37 @@ def test_learn_with_module_names_trains_exactly_those_modules(
     assert all(p.requires_grad for p in model.parameters())
 
 
+NAMES = ["tok", "pos", *(f"blocks.{i}.{layer}" for i in range(4) for layer in ("l1", "l2"))]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    names=st.sets(st.sampled_from(NAMES)),
+    positions=st.sets(st.integers(0, 3)),
+    seed=st.integers(0, 2**16),
+)
+def test_any_learning_set_of_blocks_and_module_names_equals_full_backprop_on_its_learners(
+    names: set[str], positions: set[int], seed: int
+) -> None:
+    torch.manual_seed(seed)
+    model = Nested().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    named = dict(reference.named_parameters())
+    full = torch.autograd.grad(reference(x).sum(), list(named.values()))
+    gate = gg.BackpropGate(model)
+    gate.learn = names | positions
+    model(x).sum().backward()
+    gate.remove()
+    learners = ("head.", *(f"{n}." for n in names), *(f"blocks.{i}." for i in positions))
+    for (name, want), param in zip(zip(named, full, strict=True), model.parameters(), strict=True):
+        if name.startswith(learners):
+            torch.testing.assert_close(param.grad, want, msg=name)
+        else:
+            assert param.grad is None, name
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_skipping_a_block_that_changes_shape_raises() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 1))
     gate = gg.BackpropGate(model, depth=3)
