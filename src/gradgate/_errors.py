@@ -48,7 +48,7 @@ class AlreadyFrozenError(GradgateError):
 
 
 class HandleUsedError(GradgateError):
-    """A handle that was already undone was entered (``with``) again; make a new one."""
+    """A handle was entered (``with``) after it was undone, or while already entered."""
 
 
 class NoTensorError(GradgateError):
