@@ -225,7 +225,6 @@ class _Cut(Handle):
             )
         frame.last_position = max(frame.last_position, position)
         frame.ran.add(position)
-
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
             if learns:

@@ -21,7 +21,7 @@ from torch import nn
 from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
 
 _THREAD = threading.local()  # the gated root forwards running in this thread, outermost first
-_EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for in_other_thread
+_EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for push_frame
 _ENTERING = threading.Lock()  # one thread at a time between checking and pushing a frame
 
 
