@@ -68,6 +68,7 @@ CLAIMS = {
     ],
     "lisa_llama.py": [
         "only the drawn layers moved, the others bit-identical: True",
+        "layers with AdamW state after each step: [[1], [], [2], [], [3], []]",
         "embeddings learn: True",
         "backward FLOPs of a LISA step vs full backprop:",
     ],

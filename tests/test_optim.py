@@ -148,6 +148,27 @@ def test_dropping_finished_state_changes_no_update_and_frees_the_moments() -> No
     assert 1.8 < ratio < 2.0  # the issue's 1.9x of the parameter bytes, kept for nothing
 
 
+def test_lisa_keeps_optimizer_state_only_for_the_blocks_it_draws() -> None:
+    # LISA's memory saving: layers that were not drawn hold no AdamW state (LMFlow's LISA
+    # trainer resets the state of the layers it switches off); the always-learning ones keep it.
+    n = 8
+    net = stack(n=n)
+    sched = gg.schedules.LISA(n, k=2, every=2, always=[0], seed=3)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    with gg.BackpropGate(net, "blocks.*") as gate:
+        for step in range(12):
+            sched.apply(gate, step)
+            net(torch.randn(4, 3)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            gg.optim.drop_finished(optimizer, gate, sched, step + 1)
+            now = sched.plan(step).learning(n)
+            following = sched.plan(step + 1).learning(n)
+            held = {i for i in range(n) if net.blocks[i].weight in optimizer.state}
+            assert held == now & following, step  # learned now, and learns on
+            assert net.head.weight in optimizer.state
+
+
 def test_drop_finished_keeps_parameters_shared_with_a_learner() -> None:
     net = stack(n=3)
     net.blocks[0].weight = net.blocks[2].weight  # block 0 shares block 2's weight

@@ -160,7 +160,10 @@ def drop_finished(
     schedule: Schedule,
     step: int,
 ) -> int:
-    """Drop the optimizer state of the blocks ``schedule`` says never learn again from ``step``.
+    """Drop the optimizer state of the blocks ``schedule`` rests from ``step`` on.
+
+    That is the blocks that never learn again (FreezeOut, a shrinking depth), and under LISA
+    the blocks not drawn for ``step`` (they start afresh when drawn again).
 
     ``gate`` is the :class:`gradgate.BackpropGate` the schedule drives. Parameters shared with
     a block (or module) that still learns are kept. Returns the bytes freed.
@@ -179,7 +182,7 @@ def drop_finished(
     2 888
     >>> gate.remove()
     """
-    finished = schedule.finished(step)
+    finished = schedule.resting(step)
     if not finished:
         return 0
     points = getattr(gate, "_points", None)

@@ -168,6 +168,11 @@ class Schedule:
         count_option("step", step, low=0)
         return frozenset()
 
+    def resting(self, step: int) -> frozenset[int]:
+        """Blocks whose optimizer state goes before ``step``: the finished ones here; LISA also
+        lets the blocks it did not draw for ``step`` start afresh when drawn again."""
+        return self.finished(step)
+
     # -- resuming ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the same sequence."""
@@ -238,7 +243,9 @@ class LISA(Schedule):
     ``always`` holds block positions and/or module names (the embeddings, e.g.
     ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. What runs after
     the last block (the head) learns anyway. Blocks between the earliest learner and the head
-    that were not drawn pass gradients but get none.
+    that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
+    :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
+    blocks that were not drawn again, as LMFlow's LISA does.
 
     >>> sched = LISA(8, k=2, every=5, always=["embed"], seed=1)
     >>> sched.plan(0) == sched.plan(4), sched.plan(0).learning(8) == sched.plan(5).learning(8)
@@ -263,8 +270,13 @@ class LISA(Schedule):
         self.k = count_option("k", k, low=0, high=len(self._pool))
 
     def _plan(self, step: int) -> Plan:
-        drawn = self._rng(step // self.every).sample(self._pool, self.k)
-        return Plan(learn=frozenset(drawn) | self.always)
+        return Plan(learn=self._drawn(step) | self.always)
+
+    def resting(self, step: int) -> frozenset[int]:
+        return frozenset(self._pool) - self._drawn(count_option("step", step, low=0))
+
+    def _drawn(self, step: int) -> frozenset[int]:
+        return frozenset(self._rng(step // self.every).sample(self._pool, self.k))
 
     def _config(self) -> dict[str, Any]:
         return {"n": self.n, "k": self.k, "every": self.every, "always": _sorted(self.always)}

@@ -136,10 +136,10 @@ class Driver:
         self._held = []
 
     def end_step(self, optimizers: Iterable[Any], next_step: int) -> None:
-        """Drop the state of blocks that learn at no step from ``next_step`` on."""
+        """Drop the state of the blocks the schedule rests from ``next_step`` on."""
         if not self.drop_state or self.gate is None:
             return
-        finished = self.schedule.finished(next_step)
+        finished = self.schedule.resting(next_step)
         if finished == self.dropped:
             return
         for optimizer in optimizers:
