@@ -344,8 +344,9 @@ def _ambiguous_message(model: nn.Module, stacks: list[list[str]]) -> str:
     return (
         f"{type(model).__name__} has {len(stacks)} comparable block stacks: {listed}. gradgate "
         "does not guess which one depth counts over. Pass them in the order your model runs "
-        f"them, e.g. blocks=[{paste}] (both stacks, depth counts from the end of the last), or "
-        "just one of them."
+        f"them, e.g. blocks=[{paste}] (both stacks, depth counts from the end of the last; "
+        "listed here as registered: a gate checks the order at its first forward), or just one "
+        "of them."
     )
 
 
@@ -362,7 +363,8 @@ def _no_blocks_message(model: nn.Module) -> str:
     return (
         f"found no repeated block sequence in {type(model).__name__}: no nn.ModuleList, "
         "nn.Sequential or run of same-class children holds two or more blocks with parameters. "
-        f"Pass the blocks explicitly, in the order they run, e.g. {example}."
+        f"Pass the blocks explicitly, in the order they run, e.g. {example}; a layer your model "
+        "calls several times (ALBERT's shared layer, a universal transformer) is one block."
     )
 
 
