@@ -34,6 +34,8 @@ from torch.utils.data import Dataset
 
 import gradgate as gg
 
+pytestmark = pytest.mark.slow  # the real HF Trainer: seconds per test
+
 transformers = pytest.importorskip("transformers")
 
 N = 4
