@@ -34,8 +34,6 @@ from torch.utils.data import Dataset
 
 import gradgate as gg
 
-pytestmark = pytest.mark.slow  # the real HF Trainer: seconds per test
-
 transformers = pytest.importorskip("transformers")
 
 N = 4
@@ -44,6 +42,7 @@ STEPS = 3
 ACCUMULATE = 2
 
 pytestmark = [
+    pytest.mark.slow,  # the real HF Trainer: seconds per test
     pytest.mark.skipif(
         importlib.util.find_spec("accelerate") is None, reason="the HF Trainer needs accelerate"
     ),
