@@ -763,13 +763,12 @@ def run_plan_operation(world: PlanWorld, op: tuple[Any, ...]) -> None:
             world.plan = None
             assert gate.learn is None and gate.depth is None
         elif kind == "learn":
-            names = frozenset(n for n in op[2] if not known_gap(world, n, world.skip))
+            names = frozenset(op[2])
             gate.learn = set(op[1]) | set(names)
             world.plan = ("learn", op[1], names)
             assert gate.learn == op[1] | names and gate.depth is None
         else:
-            names = world.plan[2] if world.plan is not None and world.plan[0] == "learn" else ()
-            skip = frozenset(i for i in op[1] if not any(known_gap(world, n, {i}) for n in names))
+            skip = frozenset(op[1])
             gate.skip = set(skip)
             world.skip = skip
             assert gate.skip == skip
@@ -786,17 +785,6 @@ def run_plan_operation(world: PlanWorld, op: tuple[Any, ...]) -> None:
         undo_plan_entry(world, world.live.pop(op[1] % len(world.live)))
     elif kind == "step":
         run_plan_step(world, *op[1:])
-
-
-def known_gap(world: PlanWorld, name: str, skip: set[int] | frozenset[int]) -> bool:
-    """Learning-set names the property leaves out: the xfail tests below pin each gap."""
-    if name == "embed":
-        return False  # tied: a spurious SharedParameterWarning, allowed in run_plan_step
-    index = int(name.split(".")[1])
-    if index in skip:
-        return True  # a named layer in a skipped block: nothing after it learns
-    extra = len(world.model.blocks[index].f) > 3
-    return world.prefix_eval() and index > 0 and extra  # its block stays in eval mode
 
 
 def undo_plan_entry(world: PlanWorld, entry: Live) -> None:
@@ -862,11 +850,7 @@ def run_plan_step(
     assert snapshot(model) == before, "a step left a trace"
     head_ran = fault is None or (where == N_BLOCKS and issubclass(fault, Exception))
     shared = [w for w in seen if issubclass(w.category, gg.SharedParameterWarning)]
-    plan = world.plan if world.plan is not None else ("depth",)
-    spurious = blocking and world.tied and plan[0] == "learn" and "embed" in plan[2]
-    if spurious and shared:  # known gap, pinned by an xfail test below
-        world.shared_warned = True
-    elif straddles and head_ran and not world.shared_warned:
+    if straddles and head_ran and not world.shared_warned:
         assert len(shared) == 1, "a tied matrix straddled the cut without a warning"
         world.shared_warned = True
     else:
@@ -959,11 +943,6 @@ def test_random_plans_are_exact_and_leave_no_trace(
 # -- known gaps the plan property found (or was told of): pinned, strict -------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SharedParameterWarning although the tied matrix's embedding use is after the cut: "
-    "learn={'embed'} opens the cut in a pre-hook that runs after the shared-use pre-hook",
-)
 def test_tied_embedding_that_learns_does_not_warn_of_a_straddle() -> None:
     model = make_plan_net(True, None, None)
     reference = copy.deepcopy(model)
@@ -981,11 +960,6 @@ def test_tied_embedding_that_learns_does_not_warn_of_a_straddle() -> None:
     assert [w.category for w in seen] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a learn-set layer inside a skipped block opens the cut inside the skip, the skip "
-    "then puts grad mode back off: nothing after it (not even the head) learns",
-)
 def test_named_layer_in_a_skipped_block_leaves_the_head_learning() -> None:
     model = make_plan_net(False, None, None)
     gate = gg.BackpropGate(model, blocks="blocks.*")
@@ -1003,11 +977,6 @@ def test_named_layer_in_a_skipped_block_leaves_the_head_learning() -> None:
     assert [str(w.message) for w in seen] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefix_mode='eval' leaves the rest of a block in eval mode after a learn-set layer "
-    "inside it opened the cut (when an earlier block ran before the cut)",
-)
 def test_prefix_eval_restores_train_mode_after_a_named_layer_opens_the_cut() -> None:
     model = make_plan_net(False, 1, None)  # BatchNorm right after blocks.1.f.0
     gate = gg.BackpropGate(model, blocks="blocks.*", prefix_mode="eval")

@@ -117,7 +117,7 @@ class _Cut(Handle):
         if extra != self._extra:
             self._extra_hooks.remove()
             for module in extra:
-                self._extra_hooks.pre(module, GateHook(self, "_enter_extra"))
+                self._extra_hooks.pre(module, GateHook(self, "_enter_extra"), prepend=True)
             self._keep = frozenset(id(p) for module in extra for p in module.parameters())
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra, self._first = learn, extra, None
@@ -273,7 +273,7 @@ class _Cut(Handle):
 
     def _enter_extra(self, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
-        if frame is not None:
+        if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
             frame.tentative = None
             self._open(frame)
 
@@ -328,9 +328,12 @@ class _Cut(Handle):
         frame.opened = True
         if frame.autocast_cache is not None:
             torch.set_autocast_cache_enabled(frame.autocast_cache)
-        for prefix_module, training in frame.training:
+        for prefix_module, training in [
+            *frame.training,
+            *(m for ms in frame.block_training.values() for m in ms),
+        ]:  # also a block running before the cut that a named module inside it opens
             prefix_module.training = training
-        frame.training = []
+        frame.training, frame.block_training = [], {}
         if not grad_held_off():
             torch.set_grad_enabled(True)  # a blocking frame always traces back to grad on
 
