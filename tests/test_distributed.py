@@ -16,6 +16,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from gradgate._fsdp import _fsdp_param_groups
 pytestmark = pytest.mark.slow
 
 WORLD = 2
+TIMEOUT = timedelta(seconds=120)  # a stuck rendezvous or collective fails instead of hanging
 N_BLOCKS = 4
 BLOCK_BYTES = (16 + 4) * 4  # Linear(4, 4): weight and bias, float32
 # ~100 bytes: each bucket holds about a block and a half, so buckets cut across blocks
@@ -395,7 +397,12 @@ def gate_made_before_the_process_group_checks_ddp(rank: int, record: dict[str, A
     dist.destroy_process_group()
     model = make_model()
     gate = gg.BackpropGate(model, depth=2)  # no process group yet
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # a fresh port: the old store's port may still be held, and a rank that reaches it would
+    # wait on a store that is gone
+    port = os.environ["GRADGATE_TEST_SECOND_PORT"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=TIMEOUT
+    )
     plain = DDP(model)
     with pytest.raises(gg.GradgateError, match="find_unused_parameters=True"):
         plain(batch(rank, 0))
@@ -489,10 +496,11 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
 ]
 
 
-def run_rank(rank: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def run_rank(rank: int, ports: tuple[int, int], out: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(ports[0])
+    os.environ["GRADGATE_TEST_SECOND_PORT"] = str(ports[1])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=TIMEOUT)
     results: dict[str, Any] = {}
     for scenario in SCENARIOS:
         record: dict[str, Any] = {}
@@ -518,7 +526,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(run_rank, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    ports = (free_port(), free_port())
+    mp.spawn(run_rank, args=(ports, str(out)), nprocs=WORLD, join=True)
     loaded = [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
     if os.environ.get("GRADGATE_SHOW_DISTRIBUTED"):
         print(loaded[0])

@@ -1,17 +1,16 @@
 """Where does the graph start? A cut that follows the blocks as they actually run.
 
-A root forward pre-hook remembers the caller's grad mode and turns grad off. Block hooks follow
-the calls: the first learning block that runs turns grad back on (only if the caller had it on);
-a non-learning block that runs after that (called again, or out of order) runs frozen for that
-call, so gradients pass through it but it gets none; a skipped block (DropBP) runs with no graph
-and the gradient passes around it through its residual path. The root forward hook restores
-everything, also when the forward raises; after a ``KeyboardInterrupt`` the next gated forward
-(or the gate's removal) does. Changing the plan is a field write: no hook is added or removed.
+A wrapper around the root's ``forward`` remembers the caller's grad mode and turns grad off.
+Block hooks follow the calls: the first learning block that runs turns grad back on (only if
+the caller had it on); a non-learning block that runs after that (called again, or out of
+order) runs frozen for that call, so gradients pass through it but it gets none; a skipped block
+(DropBP) runs with no graph and the gradient passes around it through its residual path. The
+wrapper restores everything when ``forward`` returns or raises, ``KeyboardInterrupt`` included.
+Changing the plan is a field write: no hook is added or removed.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Literal, get_args
 
 import torch
@@ -90,8 +89,6 @@ class _Cut(Handle):
         self._fsdp_restore: Any = None
         self._fsdp = any(hasattr(m, "set_unshard_in_backward") for _, m in points)
         self._hooks = HookSet()
-        self._hooks.pre(model, GateHook(self, "_enter_root"), prepend=True)
-        self._hooks.post(model, GateHook(self, "_exit_root"), always_call=True)
         for position, (_, module) in enumerate(points):
             enter = GateHook(self, "_enter_block", position)
             exit = GateHook(self, "_exit_block", position)
@@ -106,7 +103,9 @@ class _Cut(Handle):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
         self._extra_hooks = HookSet()
-        self._guard = ForwardGuard(model, self._close_own_frames)
+        self._guard = ForwardGuard(
+            model, GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
+        )
         self._guard.install()
 
     # -- the plan ------------------------------------------------------------------------------
@@ -156,7 +155,7 @@ class _Cut(Handle):
                 "gg.BackpropGate(model)."
             )
 
-    # -- root hooks ----------------------------------------------------------------------------
+    # -- around the root's forward ---------------------------------------------------------
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
         if self._held and not any(f.gate is self for f in open_frames()):
@@ -184,14 +183,13 @@ class _Cut(Handle):
                 frame.autocast_cache = True
                 torch.set_autocast_cache_enabled(False)
 
-    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_root(self, module: nn.Module, args: Any, output: Any, raising: bool) -> None:
         frame = self._own_frame()
         if frame is None:
             return
         held, frame.held = frame.held, []
         if held:
             self._hold_until_backward(held, output)
-        raising = sys.exc_info()[0] is not None  # torch calls this hook from its except block
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
         nothing_learns = (
             frame.blocking
@@ -202,9 +200,9 @@ class _Cut(Handle):
             and not has_graph(output)
         )
         close_frame(frame)
-        if not raising:
+        if not raising:  # no diagnostics while an exception propagates
             self._stacks.learn(frame)
-        self._warn_after_forward(frame, never_opened, nothing_learns)
+            self._warn_after_forward(frame, never_opened, nothing_learns)
 
     # -- block hooks ---------------------------------------------------------------------------
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:

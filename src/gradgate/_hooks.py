@@ -127,11 +127,14 @@ class _InstanceForward:
 
     def uninstall(self) -> None:
         self.live = False
+        previous = self.previous
+        while isinstance(previous, _InstanceForward) and not previous.live:
+            previous = previous.previous  # a wrapper removed while this one wrapped it
         if self.module.__dict__.get("forward") is self:
-            if self.previous is None:
+            if previous is None:
                 del self.module.__dict__["forward"]
             else:
-                object.__setattr__(self.module, "forward", self.previous)
+                object.__setattr__(self.module, "forward", previous)
 
     remove = uninstall
 
@@ -140,23 +143,29 @@ class _InstanceForward:
 
 
 class ForwardGuard(_InstanceForward):
-    """Wraps a module's ``forward`` in try/finally for what hooks cannot see.
+    """Runs ``enter`` before a module's ``forward`` and ``exit`` after it, whatever happens.
 
-    torch's ``always_call`` forward hooks run for ``Exception`` only; ``KeyboardInterrupt`` and
-    ``SystemExit`` skip them. The guard calls ``on_interrupt()`` for those, then re-raises.
+    ``exit(module, args, output, raising)`` runs also when ``forward`` raises, ``KeyboardInterrupt``
+    and ``SystemExit`` included (torch's ``always_call`` forward hooks run for ``Exception``
+    only, and a module's other hooks run outside ``forward``, where an interrupt would leave the
+    state ``enter`` set).
     """
 
-    def __init__(self, module: nn.Module, on_interrupt: Any) -> None:
+    def __init__(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
         super().__init__(module)
-        self.on_interrupt = on_interrupt
+        self.enter, self.exit = enter, exit
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
+        if not self.live:
             return self.inner(*args, **kwargs)
-        except BaseException as error:
-            if self.live and not isinstance(error, Exception):
-                self.on_interrupt()
+        self.enter(self.module, args)
+        try:
+            output = self.inner(*args, **kwargs)
+        except BaseException:
+            self.exit(self.module, args, None, True)
             raise
+        self.exit(self.module, args, output, False)
+        return output
 
 
 class HookedForward(_InstanceForward):

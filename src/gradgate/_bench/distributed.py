@@ -18,6 +18,7 @@ import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +80,12 @@ def measure(
 def _rank(rank: int, port: int, out: str, settings: dict[str, Any]) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
         rows = [_depth_row(rank, depth, settings) for depth in settings["depths"]]
         if rank == 0:
             (Path(out) / "rows.json").write_text(json.dumps(rows))
+        dist.barrier()  # tearing down while the other rank still talks aborts the process
     finally:
         dist.destroy_process_group()
 
