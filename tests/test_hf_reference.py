@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Tokens
 from torch import nn
-from torch.utils.data import Dataset
 
 import gradgate as gg
 
@@ -51,18 +51,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:accelerate.*"),
     pytest.mark.filterwarnings("ignore::UserWarning:torch.*"),
 ]
-
-
-class Tokens(Dataset):
-    def __init__(self, count: int = 16, length: int = 8, vocab: int = 64) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def tiny_gpt2() -> nn.Module:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Tokens
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import gradgate as gg
 
@@ -47,18 +48,6 @@ def test_driver_rejects_bad_arguments() -> None:
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
-
-
-class Tokens(Dataset):
-    def __init__(self, count: int = 16, length: int = 8, vocab: int = 64) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def tiny_llama() -> nn.Module:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 Factory = Callable[[], tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]]
 VOCAB = 97
@@ -155,3 +156,17 @@ REAL_MODELS: dict[str, Factory] = {
     "cnn_bn": cnn_with_batchnorm,
     "long_skip": long_skip,
 }
+
+
+class Tokens(Dataset):
+    """A small fixed data set of token sequences for language-model trainers (labels = ids)."""
+
+    def __init__(self, count: int = 16, length: int = 8, vocab: int = 64) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
