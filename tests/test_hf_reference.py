@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens
+from models import Tokens, tiny_gpt2
 from torch import nn
 
 import gradgate as gg
@@ -51,23 +51,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:accelerate.*"),
     pytest.mark.filterwarnings("ignore::UserWarning:torch.*"),
 ]
-
-
-def tiny_gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=16,
-        n_layer=N,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
 
 
 class Recorder(transformers.TrainerCallback):
@@ -110,7 +93,7 @@ def _number(value) -> int | None:
 
 
 def train(schedule, tmp_path: Path, *, lr: float = LR):
-    model = tiny_gpt2()
+    model = tiny_gpt2(N)
     callback = gg.integrations.transformers.GateCallback(schedule)
     recorder = Recorder(callback)
     args = transformers.TrainingArguments(
@@ -151,7 +134,7 @@ def reference_grads(
     before: dict[str, torch.Tensor], batches: list[dict], plan: gg.schedules.Plan
 ) -> dict[str, torch.Tensor]:
     """By hand: the step's plan on a fresh copy, mean over micro-batches; only learners listed."""
-    ref = tiny_gpt2()
+    ref = tiny_gpt2(N)
     with torch.no_grad():
         for name, param in ref.named_parameters():
             param.copy_(before[name])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens
+from models import Tokens, tiny_gpt2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -62,21 +62,6 @@ def tiny_llama() -> nn.Module:
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
-
-
-def tiny_gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=16,
-        n_layer=N,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
 
 
 class StepRecorder(transformers.TrainerCallback):
@@ -211,7 +196,7 @@ def test_hf_random_depth_logs_the_depth_and_reporters_see_it(tmp_path: Path) -> 
 
 @hf_test
 def test_hf_dropbp_on_gpt2_skipped_blocks_do_not_move(tmp_path: Path) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(N)
     sched = gg.schedules.DropBP(N, rates=[0.5, 0.5, 0.5, 0.5], seed=1)
     callback = gg.integrations.transformers.GateCallback(sched)
     _, recorder = train_hf(model, callback, tmp_path, steps=4, accumulate=1)

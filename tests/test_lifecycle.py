@@ -149,6 +149,16 @@ class Live:
     on: str = "params"
 
 
+def norm_locked(live: list[Any], unit: str) -> bool:
+    """Whether the latest live freeze or unfreeze of ``unit`` keeps its norm layers in eval."""
+    for entry in reversed(live):
+        if entry.kind == "unfreeze" and unit in entry.units:
+            return False
+        if entry.kind == "freeze" and unit in entry.units and entry.norm == "eval":
+            return True
+    return False
+
+
 @dataclass
 class World:
     """The model, the live handles, and what the semantics say must hold."""
@@ -184,12 +194,7 @@ class World:
         return self.flag(unit) and self.after_cut(unit)
 
     def norm_locked(self, unit: str) -> bool:
-        for entry in reversed(self.live):
-            if entry.kind == "unfreeze" and unit in entry.units:
-                return False
-            if entry.kind == "freeze" and unit in entry.units and entry.norm == "eval":
-                return True
-        return False
+        return norm_locked(self.live, unit)
 
     def factor(self, unit: str) -> float:
         """Product of the live scales acting on this unit's parameter gradients."""
@@ -622,12 +627,7 @@ class PlanWorld:
         return True
 
     def norm_locked(self, unit: str) -> bool:
-        for entry in reversed(self.live):
-            if entry.kind == "unfreeze" and unit in entry.units:
-                return False
-            if entry.kind == "freeze" and unit in entry.units and entry.norm == "eval":
-                return True
-        return False
+        return norm_locked(self.live, unit)
 
     def factor(self, param_name: str) -> float:
         result = 1.0

@@ -170,3 +170,23 @@ class Tokens(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_gpt2(layers: int) -> nn.Module:
+    """A random-init GPT-2 LM of ``layers`` blocks, vocabulary 64, no dropout (seed 0)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=16,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
