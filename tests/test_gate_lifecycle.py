@@ -191,6 +191,36 @@ def test_a_copy_of_a_gated_model_is_a_plain_model(how: str) -> None:
     assert _no_hooks(model)
 
 
+def test_the_gated_forward_keeps_its_signature() -> None:
+    """Trainers and generate() read ``inspect.signature(model.forward)`` (HF drops the data-set
+    columns the forward does not name)."""
+    import inspect
+
+    from models import tiny_gpt2
+
+    model = tiny_gpt2(2)
+    before = inspect.signature(model.forward)
+    block = inspect.signature(model.transformer.h[0].forward)
+    with gg.BackpropGate(model, "transformer.h.*"):
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        torch.compile(model, backend="eager")(ids, labels=ids, use_cache=False).loss.backward()
+        assert "forward" in vars(model) and "forward" in vars(model.transformer.h[0])
+        assert inspect.signature(model.forward) == before
+        assert inspect.signature(model.transformer.h[0].forward) == block
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_copy_of_a_model_gated_under_torch_compile_is_a_plain_model() -> None:
+    model = _model()
+    with gg.BackpropGate(model, ["1", "2"], depth=1):
+        torch.compile(model, backend="eager")(torch.randn(2, 3)).sum().backward()
+        twin = copy.deepcopy(model)
+    forwards = [vars(module).get("forward") for module in twin.modules()]
+    assert not any(type(forward).__module__.startswith("gradgate") for forward in forwards)
+    twin(torch.randn(2, 3)).sum().backward()
+    assert len(_learners(twin)) == len(list(twin.parameters()))
+
+
 def test_warnings_as_errors_leave_no_half_applied_cut() -> None:
     model, batch, loss_fn = gpt2(tied=True)
     with warnings.catch_warnings():

@@ -7,28 +7,26 @@ graph per state and block class, shared by all blocks of that class (parameters 
 inputs), so every depth reuses the same <= 3 graphs and nothing recompiles after warm-up.
 
 The gate's hooks stay outside the compiled region: they live in ``Module.__call__``, and only
-``forward`` is compiled. (``Module.compile()`` compiles ``__call__`` with its hooks, which
-traces the gate's bookkeeping into the graphs and adds graphs and recompiles.) Whole-model
-``torch.compile`` with ``requires_grad`` toggling instead recompiles for every new depth.
+``forward`` is compiled. (``block.compile()`` compiles ``__call__`` with its hooks, which
+traces the gate's bookkeeping into the graphs.) ``torch.compile(model)`` of a gated model does
+the same per block by itself (see ``_frames_compile``); whole-model ``torch.compile`` with
+``requires_grad`` toggling instead recompiles for every new depth.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
 from ._errors import InvalidOptionError
+from ._frames_compile import block_tracing
 from ._handles import Handle
 from ._select import Pattern, resolve_blocks
 
 _MARK = "_gradgate_compiled_forward"
-# torch._dynamo reads ``.grad`` of non-leaf inputs while tracing; it hides the resulting
-# UserWarning with ``warnings.showwarning``, which fails when warnings are errors (-W error).
-_NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 
 
 def compile_blocks(
@@ -38,7 +36,8 @@ def compile_blocks(
 
     ``blocks`` selects the blocks as in :class:`~gradgate.BackpropGate` (auto-found when
     None). Returns a :class:`~gradgate.Handle`; ``handle.remove()`` restores the original
-    forwards. Modules outside the blocks (embeddings, head) stay eager.
+    forwards. Modules outside the blocks (embeddings, head) stay eager. A gated model compiled
+    whole (``torch.compile(model)``) is compiled block by block like this without it.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
@@ -84,12 +83,11 @@ def compile_blocks(
 
 
 def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """The compiled forward, with dynamo's internal non-leaf ``.grad`` warning ignored."""
+    """The compiled forward, called under :func:`block_tracing` (hook guards, no warning)."""
 
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+        with block_tracing():
             return compiled(*args, **kwargs)
 
     setattr(forward, _MARK, True)

@@ -103,9 +103,8 @@ class _Cut(Handle):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
         self._extra_hooks = HookSet()
-        self._guard = ForwardGuard(
-            model, GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
-        )
+        enter, exit = GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
+        self._guard = ForwardGuard(model, enter, exit, [module for _, module in points])
         self._guard.install()
 
     # -- the plan ------------------------------------------------------------------------------

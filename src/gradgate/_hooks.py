@@ -7,6 +7,7 @@ copy the first time it runs, so a copy is an ordinary model with no gradgate sta
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -14,31 +15,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-
-def _call(function: Any, *args: Any) -> Any:
-    return function(*args)
-
-
-def _opaque(function: Any, *args: Any) -> Any:
-    """``function(*args)`` under ``torch.compiler.disable``."""
-    return _disabled()(function, *args)
-
-
-def _disabled() -> Any:
-    """The disabled caller, made on first need: importing torch._dynamo takes about a second,
-    and only a compiled model needs it (a gate made once dynamo is loaded makes it at once)."""
-    global _DISABLED
-    if _DISABLED is None:
-        _DISABLED = torch.compiler.disable(_call)
-    return _DISABLED
-
-
-# Under torch.compile the gate's hooks run as one opaque eager call: dynamo neither traces the
-# gate's Python state (no guards on the plan, so no recompiles when the depth changes) nor
-# compiles the frames the hooks call. torch.compiler.disable costs microseconds per call, so
-# the hooks take that path only while dynamo traces or its frame callback is set.
-_DISABLED: Any = None
-_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
+from ._frames_compile import (
+    compiled_block,
+    disabled_caller,
+    eager_with_compiled_blocks,
+    eval_frame_callback,
+    opaque,
+    skip_frames,
+    under_compile,
+)
 
 
 class GateHook:
@@ -49,11 +34,11 @@ class GateHook:
     def __init__(self, owner: object, method: str, *bound: object) -> None:
         self.function, self.bound = getattr(owner, method), bound
         if "torch._dynamo" in sys.modules:
-            _disabled()
+            disabled_caller()
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or _callback():
-            return _opaque(self.function, *self.bound, *args)
+        if torch.compiler.is_compiling() or eval_frame_callback():
+            return opaque(self.function, *self.bound, *args)
         return self.function(*self.bound, *args)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -87,7 +72,7 @@ class HookSet:
     """The forward hooks one gradgate object registered; ``remove()`` takes them all off."""
 
     def __init__(self) -> None:
-        self._handles: list[RemovableHandle | HookedForward] = []
+        self._handles: list[RemovableHandle | _InstanceForward] = []
 
     def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._handles.append(module.register_forward_pre_hook(hook, **options))
@@ -121,6 +106,10 @@ class _InstanceForward:
         self.inner = module.forward
         self.live = False
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.inner)  # what callers that inspect ``forward`` rely on
+
     def install(self) -> None:
         object.__setattr__(self.module, "forward", self)
         self.live = True
@@ -151,21 +140,45 @@ class ForwardGuard(_InstanceForward):
     state ``enter`` set).
     """
 
-    def __init__(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
+    def __init__(
+        self, module: nn.Module, enter: GateHook, exit: GateHook, blocks: list[nn.Module]
+    ) -> None:
         super().__init__(module)
-        self.enter, self.exit = enter, exit
+        self.enter, self.exit, self.blocks = enter, exit, blocks
+        self.compiled: list[CompiledForward] = []
+
+    def uninstall(self) -> None:
+        super().uninstall()
+        for wrapper in reversed(self.compiled):
+            wrapper.uninstall()
+
+    remove = uninstall
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.inner(*args, **kwargs)
         self.enter(self.module, args)
         try:
-            output = self.inner(*args, **kwargs)
+            if under_compile():
+                output = self._compiled_by_block(*args, **kwargs)
+            else:
+                output = self.inner(*args, **kwargs)
         except BaseException:
             self.exit(self.module, args, None, True)
             raise
         self.exit(self.module, args, output, False)
         return output
+
+    def _compiled_by_block(self, *args: Any, **kwargs: Any) -> Any:
+        """Under ``torch.compile(model)``: the forward eager, each block's forward compiled."""
+        if not self.compiled:
+            opaque(self._install_compiled)
+        return eager_with_compiled_blocks(self.inner, *args, **kwargs)
+
+    def _install_compiled(self) -> None:
+        self.compiled = [CompiledForward(block) for block in self.blocks]
+        for wrapper in self.compiled:
+            wrapper.install()
 
 
 class HookedForward(_InstanceForward):
@@ -190,6 +203,22 @@ class HookedForward(_InstanceForward):
         return output if replaced is None else replaced
 
 
+class CompiledForward(_InstanceForward):
+    """A block's ``forward``, compiled as a frame of its own under a compiled gated root."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return compiled_block(self.inner, *args, **kwargs)
+
+
 def _plain_forward(module: nn.Module, previous: Any) -> Any:
     """What a copy's ``forward`` attribute becomes: the one the wrapper wrapped."""
     return previous if previous is not None else type(module).forward.__get__(module)
+
+
+skip_frames(
+    GateHook.__call__,
+    ForwardGuard.__call__,
+    ForwardGuard._compiled_by_block,
+    HookedForward.__call__,
+    CompiledForward.__call__,
+)

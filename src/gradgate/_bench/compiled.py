@@ -2,7 +2,8 @@
 
 ``toggle+compile`` compiles the whole model and toggles ``requires_grad`` on the prefix;
 ``gradgate+compile`` compiles each block with :func:`gradgate.compile_blocks` and cuts with a
-:class:`gradgate.BackpropGate`. Both see the same schedule: a warm-up over depths
+:class:`gradgate.BackpropGate`; ``gate+torch.compile`` gates the model and compiles it whole with
+``torch.compile(model)``. All see the same schedule: a warm-up over depths
 ``[None, 0, n]`` (the three states a block can be in), then every depth ``0..n`` in a shuffled
 order, twice. ``graphs`` counts the distinct graphs dynamo compiled over the whole schedule;
 ``recompiles`` counts the compilations after the warm-up.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ def compile_counts(
     n: int = 12,
     device: torch.device | None = None,
 ) -> dict[str, Any]:
-    """``{"method", "graphs", "recompiles"}`` for ``toggle+compile`` or ``gradgate+compile``."""
+    """``{"method", "graphs", "recompiles", "recompile_limit_hits"}`` for one method above."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -87,22 +89,27 @@ def compile_counts(
 
             graphs_at_warm = _run(step, warm, counters)
             graphs = _run(step, rest, counters)
-        elif method == "gradgate+compile":
+        elif method in ("gradgate+compile", "gate+torch.compile"):
+            whole = method == "gate+torch.compile"
             with (
-                gg.compile_blocks(model, workload.blocks, backend=backend),
+                nullcontext()
+                if whole
+                else gg.compile_blocks(model, workload.blocks, backend=backend),
                 gg.BackpropGate(model, blocks=workload.blocks) as gate,
             ):
+                call = torch.compile(model, backend=backend) if whole else model
 
                 def step(depth: Depth) -> None:
                     gate.depth = depth
-                    workload.loss(model(batch)).backward()
+                    workload.loss(call(batch)).backward()
                     model.zero_grad(set_to_none=True)
 
                 graphs_at_warm = _run(step, warm, counters)
                 graphs = _run(step, rest, counters)
         else:
             raise gg.InvalidOptionError(
-                f"compile method {method!r}; expected 'toggle+compile' or 'gradgate+compile'."
+                f"compile method {method!r}; expected 'toggle+compile', 'gradgate+compile' or "
+                "'gate+torch.compile'."
             )
     finally:
         dynamo_log.removeFilter(watcher)

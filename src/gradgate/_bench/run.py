@@ -115,7 +115,7 @@ def _compile_section(
     options: Options, device: torch.device
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     rows, hits = [], {}
-    methods = ("toggle+compile", "gradgate+compile")
+    methods = ("toggle+compile", "gradgate+compile", "gate+torch.compile")
     progress = Progress(total=len(methods), description="bench compile", enabled=options.progress)
     try:
         for method in methods:
