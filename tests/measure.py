@@ -16,10 +16,12 @@ def forward_and_backward(forward: Callable[[], torch.Tensor]) -> tuple[int, int]
     returning an output autograd saved (sigmoid, tanh) would keep it alive in a cycle.
     """
     storages: dict[int, int] = {}
+    alive = []  # a storage freed during forward must not lend its address to a new one
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
+        alive.append(storage)
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

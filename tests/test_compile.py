@@ -219,8 +219,20 @@ def test_whole_model_compile_keeps_the_fused_encoder_layer_exact() -> None:
     first, total, breaks, _ = _whole_model_run(
         model, "0.layers.*", lambda run: run(x).pow(2).mean(), "eager"
     )
-    assert total == first <= 3
+    assert 0 < total == first <= 3  # torch.nn's own forwards are compiled too
     assert breaks == {}
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+def test_whole_model_compile_of_blocks_made_of_torch_nn_containers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(4)])
+    first, total, breaks, caught = _whole_model_run(
+        nn.Sequential(model, nn.Linear(3, 1)), "0.*", _sequential_loss, "eager"
+    )
+    assert 0 < total == first <= 3
+    assert breaks == {}
+    assert caught == []
 
 
 class Outer(nn.Module):
@@ -335,3 +347,32 @@ def _noop() -> Any:
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+@pytest.mark.parametrize("root", ["own class", "nn.Sequential"])
+def test_compiled_before_the_gate_exists(root: str) -> None:
+    """torch.compile wraps a torch.nn container's call when it is compiled (docs: gate first)."""
+    from torch._dynamo.utils import counters
+
+    eager = _sequential() if root == "nn.Sequential" else Outer(_sequential())
+    model = copy.deepcopy(eager)
+    blocks = [str(i) for i in range(1, 5)]
+    blocks = blocks if root == "nn.Sequential" else [f"inner.{b}" for b in blocks]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    with gg.BackpropGate(eager, blocks) as eager_gate, gg.BackpropGate(model, blocks) as gate:
+        for depth in [None, 0, 4, 1, 2, 3]:
+            eager_gate.depth = gate.depth = depth
+            for net, run in ((eager, eager), (model, compiled)):
+                net.zero_grad(set_to_none=True)
+                _sequential_loss(run).backward()
+            _assert_same_grads(eager, model, depth)
+    breaks = dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 3
+    if root == "nn.Sequential":
+        assert list(breaks) == [reason for reason in breaks if reason.startswith(_OPAQUE)]
+        assert sum(breaks.values()) == 1
+    else:
+        assert breaks == {}

@@ -10,6 +10,7 @@ class and grad state, no guard on the plan. Outside ``torch.compile`` these are 
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,6 +85,8 @@ def eager_with_compiled_blocks(function: Any, *args: Any, **kwargs: Any) -> Any:
 
 def compiled_block(function: Any, *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)``; compiled when inside :func:`eager_with_compiled_blocks`."""
+    if torch.compiler.is_compiling():  # traced into a frame compiled some other way
+        return function(*args, **kwargs)
     compiler = _BLOCK_COMPILER.get()
     if compiler is None or eval_frame_callback():
         return function(*args, **kwargs)
@@ -93,6 +96,18 @@ def compiled_block(function: Any, *args: Any, **kwargs: Any) -> Any:
             return function(*args, **kwargs)
         finally:
             _frames.set_eval_frame(prior)
+
+
+def traceable(function: Any) -> Any:
+    """``function``, or a frame around it that dynamo compiles where it would skip its own frame
+    (the forwards of torch.nn's modules, e.g. ``nn.TransformerEncoderLayer``, are in dynamo's
+    skip list as top frames; ``torch.compile(module)`` wraps them the same way)."""
+    from torch._dynamo import external_utils, trace_rules
+
+    plain = isinstance(function, (types.FunctionType, types.MethodType))
+    return (
+        external_utils.wrap_inline(function) if plain and trace_rules.check(function) else function
+    )
 
 
 def skip_frames(*functions: Any) -> None:

@@ -22,6 +22,7 @@ from ._frames_compile import (
     eval_frame_callback,
     opaque,
     skip_frames,
+    traceable,
     under_compile,
 )
 
@@ -176,7 +177,8 @@ class ForwardGuard(_InstanceForward):
         return eager_with_compiled_blocks(self.inner, *args, **kwargs)
 
     def _install_compiled(self) -> None:
-        self.compiled = [CompiledForward(block) for block in self.blocks]
+        unique = {id(block): block for block in self.blocks}.values()  # a block used twice
+        self.compiled = [CompiledForward(block) for block in unique]
         for wrapper in self.compiled:
             wrapper.install()
 
@@ -206,8 +208,16 @@ class HookedForward(_InstanceForward):
 class CompiledForward(_InstanceForward):
     """A block's ``forward``, compiled as a frame of its own under a compiled gated root."""
 
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        if isinstance(self.inner, HookedForward):  # its hooks stay eager, the layer compiles
+            self.inner.inner = traceable(self.inner.inner)
+            self.traced = self.inner
+        else:
+            self.traced = traceable(self.inner)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return compiled_block(self.inner, *args, **kwargs)
+        return compiled_block(self.traced, *args, **kwargs)
 
 
 def _plain_forward(module: nn.Module, previous: Any) -> Any:

@@ -125,3 +125,55 @@ def _run(step: Any, depths: list[Depth], counters: Any) -> int:
     for depth in depths:
         step(depth)
     return int(counters["stats"]["unique_graphs"])
+
+
+def step_overhead(blocks: int = 12, rounds: int = 5, steps: int = 200) -> dict[str, float]:
+    """CPU µs per step of a gated residual model: uncompiled, ``gg.compile_blocks``, and
+    ``torch.compile(model)``, backend ``eager`` (only dynamo's own per-call cost shows).
+
+    One model copy and gate per method, interleaved rounds, medians;
+    ``python -m gradgate._bench.compiled``.
+    """
+    import copy
+    import statistics
+    import time
+
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(blocks)]
+    model, x = nn.Sequential(*layers, nn.Linear(16, 1)), torch.randn(4, 16)
+    names = [str(i) for i in range(blocks)]
+    depths = [None, 0, blocks, 1, blocks // 4, blocks // 2]
+    torch._dynamo.reset()
+    runs = {}
+    for method in ("uncompiled", "compile_blocks", "torch.compile(model)"):
+        net = copy.deepcopy(model)
+        if method == "compile_blocks":
+            gg.compile_blocks(net, names, backend="eager")
+        gate = gg.BackpropGate(net, names)  # before torch.compile: see docs/performance.md
+        call = torch.compile(net, backend="eager") if method.startswith("torch") else net
+        runs[method] = (net, call, gate)
+
+    def run(method: str, count: int) -> float:
+        net, call, gate = runs[method]
+        start = time.process_time()
+        for i in range(count):
+            gate.depth = depths[i % len(depths)]
+            call(x).sum().backward()
+            net.zero_grad(set_to_none=True)
+        return (time.process_time() - start) / count * 1e6
+
+    for method in runs:
+        run(method, 2 * len(depths))  # every graph compiled before the clock starts
+    times: dict[str, list[float]] = {method: [] for method in runs}
+    for _ in range(rounds):
+        for method in runs:
+            times[method].append(run(method, steps))
+    return {method: statistics.median(values) for method, values in times.items()}
+
+
+if __name__ == "__main__":
+    for method, micros in step_overhead().items():
+        print(f"{method:>22}: {micros:7.0f} us per step")
