@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -331,7 +332,9 @@ def test_a_hook_inside_one_block_is_not_lost_to_a_shared_graph(how: str) -> None
     with (
         gg.BackpropGate(eager, blocks) as eager_gate,
         gg.BackpropGate(model, blocks) as gate,
-        gg.compile_blocks(model, blocks, backend="eager") if how == "compile_blocks" else _noop(),
+        gg.compile_blocks(model, blocks, backend="eager")
+        if how == "compile_blocks"
+        else nullcontext(),
     ):
         run = torch.compile(model, backend="eager") if how == "torch.compile" else model
         for learn in ([3], ["2.fc", 3], [3], ["1.fc", "3.fc"]):
@@ -341,12 +344,6 @@ def test_a_hook_inside_one_block_is_not_lost_to_a_shared_graph(how: str) -> None
                 _sequential_loss(call).backward()
             _assert_same_grads(eager, model, None)
             assert (model[2].fc.weight.grad is not None) == ("2.fc" in learn)
-
-
-def _noop() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 @pytest.mark.slow  # a subprocess or a compile: seconds
