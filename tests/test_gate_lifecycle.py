@@ -55,6 +55,33 @@ def test_interrupt_in_a_gated_context_leaves_no_trace(exc: type[BaseException]) 
     assert _no_hooks(model)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_interrupt_in_a_compiled_block_leaves_no_compiler_behind() -> None:
+    """Under torch.compile(model) the gate compiles each block with the model's compiler; a
+    Ctrl-C inside a block must leave neither that compiler nor the gate's state set."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    with gg.BackpropGate(model, ["1", "2"], depth=1) as gate:
+        compiled = torch.compile(model, backend="eager")
+        compiled(torch.randn(2, 3)).sum().backward()
+        model[1].exc = KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            compiled(torch.randn(2, 3))
+        assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
+        assert torch.is_grad_enabled()
+        model[1].exc = None
+        model.zero_grad(set_to_none=True)
+        gate.depth = 2
+        x = torch.randn(2, 3)
+        compiled(x).sum().backward()
+    with gg.BackpropGate(ref, ["1", "2"], depth=2):
+        ref(x).sum().backward()
+    for (name, want), got in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert (want.grad is None) == (got.grad is None), name
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad)
+
+
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_interrupt_with_a_long_lived_gate_does_not_poison_the_thread(
     exc: type[BaseException],
