@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import tiny_gpt2
+from models import tiny_gpt2, trainer_args
 from torch import nn
 
 import gradgate as gg
@@ -289,15 +289,11 @@ def test_hf_trainer_torch_compile_trains_like_eager(tmp_path) -> None:
     def train(compile: bool) -> dict[str, torch.Tensor]:
         model = tiny_gpt2(4)
         schedule = gg.schedules.RandomDepth(4, low=0, high=4, seed=5)
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path),
+        args = trainer_args(
+            tmp_path,
             max_steps=8,
             per_device_train_batch_size=2,
             learning_rate=1e-2,
-            report_to="none",
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
             seed=0,
             torch_compile=compile,
             torch_compile_backend="eager" if compile else None,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, tiny_gpt2
+from models import Tokens, tiny_gpt2, trainer_args
 from torch import nn
 
 import gradgate as gg
@@ -96,8 +96,8 @@ def train(schedule, tmp_path: Path, *, lr: float = LR):
     model = tiny_gpt2(N)
     callback = gg.integrations.transformers.GateCallback(schedule)
     recorder = Recorder(callback)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         max_steps=STEPS,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=ACCUMULATE,
@@ -107,10 +107,6 @@ def train(schedule, tmp_path: Path, *, lr: float = LR):
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, tiny_gpt2
+from models import Tokens, tiny_gpt2, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -99,18 +99,14 @@ def train_hf(model, callback, tmp_path: Path, *, steps: int = 3, accumulate: int
     assert isinstance(model, PreTrainedModel)
     blocks = [model.get_submodule(name) for name in gg.blocks(model)]
     recorder = StepRecorder(callback, blocks)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         max_steps=steps,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=accumulate,
         learning_rate=1e-2,
         weight_decay=0.1,
         logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
         **kw,
@@ -173,15 +169,11 @@ def test_hf_random_depth_logs_the_depth_and_reporters_see_it(tmp_path: Path) -> 
     model = tiny_llama()
     sched = gg.schedules.RandomDepth(N, low=1, high=3, seed=5)
     callback = gg.integrations.transformers.GateCallback(sched)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         max_steps=4,
         per_device_train_batch_size=4,
         logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
     )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(), callbacks=[Reporter(), callback]

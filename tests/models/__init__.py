@@ -172,6 +172,21 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def trainer_args(tmp_path: Any, **options: Any) -> Any:
+    """HF ``TrainingArguments`` for a quiet CPU run in ``tmp_path``: no reports, no saves, no
+    progress bar; ``options`` are the rest."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **options,
+    )
+
+
 def tiny_gpt2(layers: int) -> nn.Module:
     """A random-init GPT-2 LM of ``layers`` blocks, vocabulary 64, no dropout (seed 0)."""
     import transformers
