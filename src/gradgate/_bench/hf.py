@@ -7,6 +7,7 @@ under ``torch.no_grad()``.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -23,12 +24,15 @@ def _logits_of(model: nn.Module, ids: Any) -> torch.Tensor:
 def _causal_mask(config: Any, embeds: torch.Tensor, positions: torch.Tensor) -> Any:
     from transformers.masking_utils import create_causal_mask
 
+    # transformers renamed ``past_key_values`` to ``cache`` (5.2x); the old name is deprecated.
+    parameters = inspect.signature(create_causal_mask).parameters
+    no_cache = {"cache" if "cache" in parameters else "past_key_values": None}
     return create_causal_mask(
         config=config,
         inputs_embeds=embeds,
         attention_mask=None,
-        past_key_values=None,
         position_ids=positions,
+        **no_cache,
     )
 
 
