@@ -25,11 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
 from gradgate._bench.distributed import counting_all_reduce
+from gradgate._bucket_tag import disagreeing, encode
 from gradgate._fsdp import FsdpPlan, _fsdp_param_groups
 
 pytestmark = pytest.mark.slow
@@ -837,6 +840,25 @@ def test_check_same_plan_costs_little(results: list[dict[str, Any]]) -> None:
 
 def test_a_missing_rank_raises_after_the_timeout(results: list[dict[str, Any]]) -> None:
     assert 1.0 <= results[0]["check_same_plan_does_not_hang"]["waited"] < 2.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    world=st.integers(2, 9),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    data=st.data(),
+)
+def test_layout_tags_find_every_disagreement(world: int, dtype: torch.dtype, data: Any) -> None:
+    """Summed over the ranks, the tags name exactly the parameters not every rank sent."""
+    count = data.draw(st.integers(1, 40))
+    ranks = data.draw(
+        st.lists(
+            st.lists(st.booleans(), min_size=count, max_size=count), min_size=world, max_size=world
+        )
+    )
+    summed = sum(encode(flags, world, dtype) for flags in ranks)
+    differ = [i for i in range(count) if len({flags[i] for flags in ranks}) > 1]
+    assert disagreeing(summed, count, world) == differ
 
 
 def test_outside_a_process_group_checks_pass() -> None:

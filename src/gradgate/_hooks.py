@@ -84,7 +84,9 @@ class HookSet:
         """Run these hooks around those registered after them: pre-hooks first, the others
         last (``fully_shard`` after a gate puts FSDP2's hooks around the gate's otherwise)."""
         for handle in self._handles:
-            hooks = handle.hooks_dict_ref() if isinstance(handle, RemovableHandle) else None
+            if not isinstance(handle, RemovableHandle):
+                continue  # a wrapped forward runs inside every hook anyway
+            hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
                 hooks.move_to_end(handle.id, last=id(handle) not in self._pre)
 

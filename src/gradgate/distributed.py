@@ -366,9 +366,10 @@ def allreduce_trained(
     ``assume_same_plan=True`` skips that agreement (one small blocking all-reduce per bucket,
     which on a GPU also waits for the stream): every rank's backward must then reach the same
     parameters, as with one plan per step (``BackpropGate(..., check_ranks=True)``) and no
-    data-dependent branches. One extra element in each bucket sent in part, a tag of its
-    layout, turns a disagreement into an error raised by ``backward()`` (its message that of
-    :class:`~gradgate.RankMismatchError`) rather than a wrong average.
+    data-dependent branches. A few extra elements in each bucket sent in part, a tag of its
+    layout (one digit per parameter), turn a disagreement into an error raised by
+    ``backward()`` on every rank (its message that of :class:`~gradgate.RankMismatchError`)
+    rather than a wrong average. Under DDP's ``join()`` the flags are exchanged anyway.
 
     Accumulation under ``no_sync`` with a different plan per micro-batch,
     ``gradient_as_bucket_view=True`` and buckets that cut across blocks are handled. Needs
