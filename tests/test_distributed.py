@@ -741,6 +741,24 @@ def allreduce_trained_under_join(rank: int, record: dict[str, Any]) -> None:
         handle.remove()
 
 
+def allreduce_trained_refuses_join_averaging_over_the_running(
+    rank: int, record: dict[str, Any]
+) -> None:
+    """join(divide_by_initial_world_size=False) averages over the ranks still running; the hook
+    divides by the world size, so it raises (both ranks alike: they still both run)."""
+    from torch.distributed.algorithms.join import Join
+
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)
+    handle = gg.distributed.allreduce_trained(ddp)
+    with (
+        pytest.raises(RuntimeError, match="divide_by_initial_world_size=False"),
+        Join([ddp], divide_by_initial_world_size=False),
+    ):
+        ddp(batch(rank, 0)).pow(2).sum().backward()
+    handle.remove()
+
+
 SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     ddp_with_find_unused_is_exact,
     allreduce_trained_sends_the_trained_share,
@@ -762,6 +780,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     check_ranks_lets_one_rank_evaluate,
     allreduce_trained_tags_tell_bfloat16_plans_apart,
     allreduce_trained_under_join,
+    allreduce_trained_refuses_join_averaging_over_the_running,  # last: its DDP raised mid-step
 ]
 
 

@@ -251,7 +251,7 @@ class TrainedAllReduce(Handle):
         buffer = bucket.buffer()
         size = buffer.numel()
         self.bytes_full += size * buffer.element_size()
-        tagged = self._tagged and self._can_tag(buffer.dtype)
+        tagged = self._can_tag(buffer.dtype) and self._tagged
         flags, stretches = self._stretches(bucket, agree=not tagged)
         if not stretches:
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -297,6 +297,13 @@ class TrainedAllReduce(Handle):
         """Tags need exact sums in the bucket's dtype, and ranks that all run backward: under
         DDP's ``join()`` a rank out of inputs sends zeros and must learn the layout."""
         joining = getattr(getattr(self._ddp, "_join_config", None), "enable", False)
+        if joining and not getattr(self._ddp, "_divide_by_initial_world_size", True):
+            raise GradgateError(
+                "DDP's join(divide_by_initial_world_size=False) averages over the ranks still "
+                "running, but allreduce_trained divides by the world size; expected "
+                "ddp.join() with its default divide_by_initial_world_size=True. Use that, or "
+                "handle.remove() for the uneven epoch."
+            )
         return digits_per_element(self.world_size, dtype) > 0 and not joining
 
     def _check_layout(self, bucket: GradBucket, summed: torch.Tensor, count: int) -> None:
