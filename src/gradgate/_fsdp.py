@@ -68,11 +68,11 @@ def _fsdp_param_groups(module: nn.Module) -> list[Any]:
 class FsdpPlan:
     """A gate's FSDP2 settings: backward all-gathers the blocks it runs through.
 
-    That is the union of what the plan now needs and what every forward whose backward is still
-    to come needed (the plan may change between a forward and its backward, or between several
-    forwards summed into one loss). Blocks ``fully_shard``-ed after the gate was made are found
-    at the next forward. ``needs()`` says, per block, whether backward runs through it; ``hooks``
-    are the gate's, to be put around FSDP2's.
+    That is the union of what every forward whose backward is still to come needed (the plan
+    may change between a forward and its backward, or between several forwards summed into one
+    loss), or, with none to come, what the plan now needs. Blocks ``fully_shard``-ed after the
+    gate was made are found at the next forward. ``needs()`` says, per block, whether backward
+    runs through it; ``hooks`` are the gate's, to be put around FSDP2's.
     """
 
     def __init__(
