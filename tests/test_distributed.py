@@ -10,6 +10,7 @@ batches, as DDP averages.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 import traceback
@@ -24,12 +25,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
 from gradgate._bench.distributed import counting_all_reduce
-from gradgate._fsdp import _fsdp_param_groups
+from gradgate._bucket_tag import disagreeing, encode
+from gradgate._fsdp import FsdpPlan, _fsdp_param_groups
 
 pytestmark = pytest.mark.slow
 
@@ -79,25 +83,27 @@ def assert_grads(model: nn.Module, expected: list[torch.Tensor | None], where: s
 
 
 def gradient_bytes(calls: list[tuple[torch.dtype, int]], *, tags: int = 0) -> int:
-    """Bytes of gradient all-reduced, less ``tags`` 4-byte layout tags (assume_same_plan)."""
+    """Bytes of gradient all-reduced, less ``tags`` 4-byte layout tag elements."""
     return sum(size for dtype, size in calls if dtype == torch.float32) - 4 * tags
 
 
 @contextmanager
 def counting_tags() -> Iterator[list[int]]:
-    """Record each layout tag allreduce_trained(..., assume_same_plan=True) adds to a bucket."""
+    """Record the elements of each layout tag allreduce_trained(..., assume_same_plan=True)
+    adds to a bucket."""
     tags: list[int] = []
-    original = gg.distributed.TrainedAllReduce._layout_tag
+    original = gg.distributed.encode
 
-    def counted(self: Any, *args: Any) -> int:
-        tags.append(original(self, *args))
-        return tags[-1]
+    def counted(*args: Any) -> torch.Tensor:
+        tag = original(*args)
+        tags.append(tag.numel())
+        return tag
 
-    gg.distributed.TrainedAllReduce._layout_tag = counted  # type: ignore[method-assign]
+    gg.distributed.encode = counted  # type: ignore[attr-defined]
     try:
         yield tags
     finally:
-        gg.distributed.TrainedAllReduce._layout_tag = original  # type: ignore[method-assign]
+        gg.distributed.encode = original  # type: ignore[attr-defined]
 
 
 def flag_exchanges(calls: list[tuple[torch.dtype, int]]) -> int:
@@ -135,7 +141,7 @@ def allreduce_trained_sends_the_trained_share(rank: int, record: dict[str, Any])
             with counting_all_reduce() as calls, counting_tags() as tags:
                 ddp(batch(rank, step)).pow(2).sum().backward()
             trained = N_BLOCKS if depth is None else depth
-            sent = gradient_bytes(calls, tags=len(tags))
+            sent = gradient_bytes(calls, tags=sum(tags))
             # a tag in each bucket sent in part, none where the whole bucket is sent
             assert (len(tags) > 0) == (assume and depth is not None), tags
             assert sent == trained * BLOCK_BYTES, (as_view, assume, depth, calls)
@@ -156,9 +162,9 @@ def allreduce_trained_buckets_cut_across_blocks(rank: int, record: dict[str, Any
     seen: list[list[int]] = []
     original = gg.distributed.TrainedAllReduce._stretches
 
-    def spy(self: Any, bucket: dist.GradBucket) -> list[tuple[int, int]]:
+    def spy(self: Any, bucket: dist.GradBucket, **options: Any) -> Any:
         seen.append([p.numel() for p in bucket.parameters()])
-        return original(self, bucket)
+        return original(self, bucket, **options)
 
     gg.distributed.TrainedAllReduce._stretches = spy  # type: ignore[method-assign]
     try:
@@ -225,7 +231,7 @@ def allreduce_trained_accumulates_different_plans(rank: int, record: dict[str, A
                     with nullcontext() if sync else ddp.no_sync():
                         ddp(batch(rank, step)).pow(2).sum().backward()
             deepest = max(depth for _, depth in plan)
-            sent = gradient_bytes(calls, tags=len(tags))
+            sent = gradient_bytes(calls, tags=sum(tags))
             assert sent == deepest * BLOCK_BYTES, (as_view, plan, calls)
             assert_grads(model, reference(plan), f"view={as_view} plan {plan}")
         gate.remove()
@@ -439,6 +445,7 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
             block.set_unshard_in_backward(True)  # type: ignore[operator]
 
     counts: dict[str, int] = {}
+    gate_applies = FsdpPlan._apply
     try:
         for step, depth in enumerate([1, 2, 3, 4]):
             # "gate": the gate applies the plan itself; "default": FSDP2 as it comes;
@@ -447,7 +454,8 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
                 model.zero_grad(set_to_none=True)
                 gate.depth = depth
                 restore = None
-                if arm != "gate":
+                if arm != "gate":  # the gate leaves FSDP2's settings alone in this arm
+                    FsdpPlan._apply = lambda self: None  # type: ignore[method-assign]
                     set_fsdp_default()
                 if arm == "plan":
                     in_backward = [i >= N_BLOCKS - depth for i in range(N_BLOCKS)]
@@ -456,6 +464,7 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
                 loss = model(batch(rank, step)).pow(2).sum()
                 gathers.clear()
                 loss.backward()
+                FsdpPlan._apply = gate_applies  # type: ignore[method-assign]
                 if restore is not None:
                     restore()
                     assert all(unshard_flags())
@@ -472,8 +481,282 @@ def fsdp2_all_gathers_only_learning_blocks(rank: int, record: dict[str, Any]) ->
                         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     finally:
         _fsdp_param_group.foreach_all_gather = original
+        FsdpPlan._apply = gate_applies  # type: ignore[method-assign]
     record["fsdp_gathers"] = counts
     gate.remove()
+
+
+# -- issue 25: scale-out cases found by the held-out review ----------------------------------
+class Net(nn.Module):
+    """An embedding, blocks of two layers, a head: a learning set can name each of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+            for _ in range(N_BLOCKS)
+        )
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+Plan = tuple[str, Any]  # ("depth", k) or ("learn", frozenset of positions and names)
+NAMES = ["embed", "blocks.1", "blocks.0.0", "blocks.2.2", "blocks.3.2"]
+
+
+def first_learner(plan: Plan) -> int:
+    """The first block backward runs through (N_BLOCKS: none)."""
+    kind, value = plan
+    if kind == "depth":
+        return N_BLOCKS - value
+    firsts = [
+        0 if v == "embed" else int(str(v).split(".")[1]) if isinstance(v, str) else v for v in value
+    ]
+    return min(firsts, default=N_BLOCKS)
+
+
+def learns(plan: Plan, name: str) -> bool:
+    kind, value = plan
+    if name.startswith("head."):
+        return True
+    if kind == "depth":
+        return name.startswith("blocks.") and int(name.split(".")[1]) >= N_BLOCKS - value
+    for item in value:
+        prefix = f"blocks.{item}." if isinstance(item, int) else f"{item}."
+        if name.startswith(prefix):
+            return True
+    return False
+
+
+def net_reference(forwards: list[tuple[int, Plan]]) -> dict[str, torch.Tensor | None]:
+    """Plain autograd on an unsharded copy, each forward's loss averaged over the ranks."""
+    model = Net().double()
+    named = dict(model.named_parameters())
+    total: dict[str, torch.Tensor | None] = dict.fromkeys(named)
+    for step, plan in forwards:
+        names = [n for n in named if learns(plan, n)]
+        loss = sum(model(batch(r, step).double()).pow(2).sum() for r in range(WORLD)) / WORLD
+        for name, grad in zip(
+            names, torch.autograd.grad(loss, [named[n] for n in names]), strict=True
+        ):
+            total[name] = grad if total[name] is None else total[name] + grad
+    return total
+
+
+def draw_plan(rng: random.Random, *, depth_only: bool = False) -> Plan:
+    if depth_only or rng.random() < 0.4:
+        return ("depth", rng.randint(0, N_BLOCKS))
+    return ("learn", frozenset(rng.sample([0, 1, 2, 3, *NAMES], rng.randint(1, 3))))
+
+
+def set_plan(gate: gg.BackpropGate, plan: Plan) -> None:
+    if plan[0] == "depth":
+        gate.depth = plan[1]
+    else:
+        gate.learn = plan[1]
+
+
+# (forwards with their plans, the plan set after them and before backward)
+FIXED_STEPS: dict[str, tuple[list[Plan], Plan | None]] = {
+    "learn embed": ([("learn", frozenset({"embed"}))], None),
+    "learn blocks.2.2": ([("learn", frozenset({"blocks.2.2"}))], None),
+    "depth 3, then depth 1 before backward": ([("depth", 3)], ("depth", 1)),
+    "depth 1 and depth 3, one backward": ([("depth", 1), ("depth", 3)], None),
+    "depth 1": ([("depth", 1)], None),
+}
+
+
+def fsdp2_plans_before_and_after_fully_shard(rank: int, record: dict[str, Any]) -> None:
+    """A gate made before or after fully_shard; learning sets naming the embedding, blocks and
+    layers inside blocks; a plan changed between a forward and its backward; several forwards
+    before one backward. Gradients match plain float64 autograd, and backward all-gathers
+    exactly the blocks from the first learner of any of its forwards on."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rng = random.Random(25)  # the same draws on both ranks
+    drawn: list[tuple[list[Plan], Plan | None]] = []
+    for _ in range(10):
+        several = rng.random() < 0.3  # several forwards: depth plans (issue 25's item 6)
+        forwards = [draw_plan(rng, depth_only=several) for _ in range(2 if several else 1)]
+        drawn.append((forwards, draw_plan(rng) if rng.random() < 0.4 else None))
+    gathers: list[int] = []
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather = counted
+    counts: dict[str, int] = {}
+    failures: list[str] = []
+    try:
+        for made in ("before", "after"):
+            model = Net()
+            gate = gg.BackpropGate(model) if made == "before" else None
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            gate = gate or gg.BackpropGate(model)
+            steps = [*FIXED_STEPS.items(), *((f"drawn {i}", s) for i, s in enumerate(drawn))]
+            for step, (label, (forwards, then)) in enumerate(steps):
+                where = f"gate made {made} fully_shard, {label}: {forwards} then {then}"
+                try:
+                    counts[f"{made}: {label}"] = fsdp_step(
+                        model, gate, rank, step, forwards, then, gathers
+                    )
+                except AssertionError as error:
+                    failures.append(f"{where}: {error}")
+                except RuntimeError as error:  # FSDP2's state is lost: the next steps tell nothing
+                    failures.append(f"{where}: {error}")
+                    break
+            gate.remove()
+    finally:
+        _fsdp_param_group.foreach_all_gather = original
+    record["fsdp_gathers"] = counts
+    assert not failures, "\n".join(failures)
+
+
+def fsdp_step(
+    model: nn.Module,
+    gate: gg.BackpropGate,
+    rank: int,
+    step: int,
+    forwards: list[Plan],
+    then: Plan | None,
+    gathers: list[int],
+) -> int:
+    """One optimizer step's forwards and backward, checked; the blocks gathered in backward."""
+    model.zero_grad(set_to_none=True)
+    loss = torch.zeros(())
+    for i, plan in enumerate(forwards):
+        set_plan(gate, plan)
+        loss = loss + model(batch(rank, 10 * step + i)).pow(2).sum()
+    if then is not None:
+        set_plan(gate, then)
+    gathers.clear()
+    loss.backward()
+    if len(forwards) == 1:  # FSDP2 gathers a block once per use in backward
+        assert len(gathers) == N_BLOCKS - first_learner(forwards[0]), f"{len(gathers)} gathers"
+    want = net_reference([(10 * step + i, plan) for i, plan in enumerate(forwards)])
+    for name, param in model.named_parameters():
+        got = None if param.grad is None else param.grad.full_tensor()
+        if want[name] is None:
+            assert got is None, f"{name} has a gradient"
+        else:
+            assert got is not None, f"{name} has no gradient"
+            torch.testing.assert_close(got.double(), want[name], rtol=1e-5, atol=1e-5)
+    return len(gathers)
+
+
+def check_ranks_lets_one_rank_evaluate(rank: int, record: dict[str, Any]) -> None:
+    """A forward with no graph (an evaluation) on rank 0 alone checks no plan: nothing is
+    averaged, and the next training step on both ranks is exact."""
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)
+    gate = gg.BackpropGate(model, check_ranks=True, depth=2)
+    if rank == 0:
+        with torch.no_grad():
+            ddp(batch(rank, 9))
+        with torch.inference_mode():
+            model(batch(rank, 9))
+    ddp(batch(rank, 0)).pow(2).sum().backward()
+    assert_grads(model, reference([(0, 2)]), "after an evaluation on rank 0")
+    gate.remove()
+
+
+def make_bf16_model(blocks: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(blocks)]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def allreduce_trained_tags_tell_bfloat16_plans_apart(rank: int, record: dict[str, Any]) -> None:
+    """bfloat16 sums integers exactly only up to 256: every pair of different learning sets
+    of the same size still raises on both ranks (the pair {1, 5} / {2, 6} got the same tag
+    before), and one plan on both ranks averages exactly as plain DDP does."""
+    x = batch(rank, 0).bfloat16()
+    for plans in [({1, 5}, {2, 6}), ({0}, {7}), ({3, 4}, {2, 5})]:
+        model = make_bf16_model(8)
+        ddp = DDP(model, find_unused_parameters=True)  # one bucket
+        gg.distributed.allreduce_trained(ddp, assume_same_plan=True)
+        gate = gg.BackpropGate(model)
+        gate.learn = plans[rank]
+        with pytest.raises(RuntimeError, match="the ranks all-reduced different parameters"):
+            ddp(x).pow(2).sum().backward()
+        gate.remove()
+    results = []
+    for trained_only in (True, False):
+        model = make_bf16_model(8)
+        ddp = DDP(model, find_unused_parameters=True)
+        if trained_only:
+            gg.distributed.allreduce_trained(ddp, assume_same_plan=True)
+        gate = gg.BackpropGate(model)
+        gate.learn = {1, 5}
+        ddp(x).pow(2).sum().backward()
+        results.append([p.grad for p in model.parameters()])
+        gate.remove()
+    for ours, plain in zip(*results, strict=True):
+        assert (ours is None) == (plain is None)
+        if ours is not None:
+            assert torch.equal(ours, plain)
+
+
+def allreduce_trained_under_join(rank: int, record: dict[str, Any]) -> None:
+    """Uneven inputs under DDP's join(): rank 0 runs out after 2 steps and shadows rank 1's
+    third; its gradient counts as zero, as with plain DDP (divided by the initial world)."""
+    from torch.distributed.algorithms.join import Join
+
+    depths = [1, 3, 2]
+    for assume in (False, True):
+        model = make_model()
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=SMALL_BUCKET_MB)
+        handle = gg.distributed.allreduce_trained(ddp, assume_same_plan=assume)
+        gate = gg.BackpropGate(model)
+        with Join([ddp]):
+            for step in range(2 + rank):
+                ddp.zero_grad(set_to_none=True)
+                gate.depth = depths[step]
+                ddp(batch(rank, step)).pow(2).sum().backward()
+                if step < 2:
+                    assert_grads(model, reference([(step, depths[step])]), f"assume={assume}")
+        if rank == 1:  # alone in the last step: half its own gradient
+            params = list(model.parameters())
+            first = learning_params(depths[2])
+            plain = make_model()
+            loss = plain(batch(1, 2)).pow(2).sum() / WORLD
+            want = torch.autograd.grad(loss, list(plain.parameters())[first:])
+            for param, grad in zip(params[first:], want, strict=True):
+                torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-6)
+        gate.remove()
+        handle.remove()
+
+
+def allreduce_trained_refuses_join_averaging_over_the_running(
+    rank: int, record: dict[str, Any]
+) -> None:
+    """join(divide_by_initial_world_size=False) averages over the ranks still running; the hook
+    divides by the world size, so it raises (both ranks alike: they still both run)."""
+    from torch.distributed.algorithms.join import Join
+
+    model = make_model()
+    ddp = DDP(model, find_unused_parameters=True)
+    handle = gg.distributed.allreduce_trained(ddp)
+    with (
+        pytest.raises(RuntimeError, match="divide_by_initial_world_size=False"),
+        Join([ddp], divide_by_initial_world_size=False),
+    ):
+        ddp(batch(rank, 0)).pow(2).sum().backward()
+    handle.remove()
 
 
 SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
@@ -493,6 +776,11 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     check_ranks_sees_which_modules_learn,
     gate_made_before_the_process_group_checks_ddp,
     fsdp2_all_gathers_only_learning_blocks,
+    fsdp2_plans_before_and_after_fully_shard,
+    check_ranks_lets_one_rank_evaluate,
+    allreduce_trained_tags_tell_bfloat16_plans_apart,
+    allreduce_trained_under_join,
+    allreduce_trained_refuses_join_averaging_over_the_running,  # last: its DDP raised mid-step
 ]
 
 
@@ -554,12 +842,42 @@ def test_fsdp2_gathers_one_more_block_without_the_plan(results: list[dict[str, A
     assert counts["depth 4 plan"] == counts["depth 4 default"] == counts["depth 4 gate"] == 4
 
 
+def test_fsdp2_gathers_from_the_first_learner_on(results: list[dict[str, Any]]) -> None:
+    """Blocks all-gathered in backward, the gate made before or after fully_shard (issue 25:
+    before, the gate's plan never reached FSDP2; a learning set naming a module crashed)."""
+    counts = results[0]["fsdp2_plans_before_and_after_fully_shard"]["fsdp_gathers"]
+    for made in ("before", "after"):
+        assert counts[f"{made}: depth 1"] == 1  # 2 with the gate made before fully_shard
+        assert counts[f"{made}: learn embed"] == N_BLOCKS  # crashed
+        assert counts[f"{made}: learn blocks.2.2"] == 2  # 1, and no gradient, made before
+        assert counts[f"{made}: depth 3, then depth 1 before backward"] == 3  # crashed
+
+
 def test_check_same_plan_costs_little(results: list[dict[str, Any]]) -> None:
     assert results[0]["check_same_plan_agrees_and_disagrees"]["check_us"] < 20_000
 
 
 def test_a_missing_rank_raises_after_the_timeout(results: list[dict[str, Any]]) -> None:
     assert 1.0 <= results[0]["check_same_plan_does_not_hang"]["waited"] < 2.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    world=st.integers(2, 9),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    data=st.data(),
+)
+def test_layout_tags_find_every_disagreement(world: int, dtype: torch.dtype, data: Any) -> None:
+    """Summed over the ranks, the tags name exactly the parameters not every rank sent."""
+    count = data.draw(st.integers(1, 40))
+    ranks = data.draw(
+        st.lists(
+            st.lists(st.booleans(), min_size=count, max_size=count), min_size=world, max_size=world
+        )
+    )
+    summed = sum(encode(flags, world, dtype) for flags in ranks)
+    differ = [i for i in range(count) if len({flags[i] for flags in ranks}) > 1]
+    assert disagreeing(summed, count, world) == differ
 
 
 def test_outside_a_process_group_checks_pass() -> None:

@@ -40,6 +40,7 @@ from ._frames import (
     recover_stale_frames,
     root_call_site,
 )
+from ._fsdp import FsdpPlan
 from ._handles import Handle
 from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
@@ -86,8 +87,6 @@ class _Cut(Handle):
             from .distributed import require_find_unused_parameters
 
             require_find_unused_parameters(model)
-        self._fsdp_restore: Any = None
-        self._fsdp = any(hasattr(m, "set_unshard_in_backward") for _, m in points)
         self._hooks = HookSet()
         for position, (_, module) in enumerate(points):
             enter = GateHook(self, "_enter_block", position)
@@ -103,6 +102,9 @@ class _Cut(Handle):
             for owner in owners:
                 self._hooks.pre(owner, GateHook(self, "_use_shared", index))
         self._extra_hooks = HookSet()
+        self._fsdp = FsdpPlan(
+            [m for _, m in points], self._in_backward, self._hooks, self._extra_hooks
+        )
         enter, exit = GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
         self._guard = ForwardGuard(model, enter, exit, [module for _, module in points])
         self._guard.install()
@@ -134,18 +136,15 @@ class _Cut(Handle):
 
     def _apply_to_fsdp(self) -> None:
         """FSDP2: no all-gather in backward for blocks that backward does not run through."""
-        if not self._fsdp:
-            return
-        from ._fsdp import apply_plan_to_fsdp
+        self._fsdp.plan_changed()
 
-        if self._fsdp_restore is not None:
-            self._fsdp_restore()
-        first = self._first_opener()
-        in_backward = [
-            self._learn is None or (p >= first and p not in self._skip)
-            for p in range(len(self._points))
-        ]
-        self._fsdp_restore = apply_plan_to_fsdp([m for _, m in self._points], in_backward)
+    def _in_backward(self) -> list[bool]:
+        """Per block: whether backward runs through it, from the first learner on (a named
+        module, or one outside the blocks that may run before them, included)."""
+        outside = map(self._stacks.first_block_after, self._extra_outside)
+        first = min([self._first_opener(), *(self._extra_blocks - self._skip), *outside])
+        n, learn = len(self._points), self._learn
+        return [learn is None or (p >= first and p not in self._skip) for p in range(n)]
 
     def _require_active(self) -> None:
         if not self.active:
@@ -157,6 +156,7 @@ class _Cut(Handle):
     # -- around the root's forward ---------------------------------------------------------
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
+        self._fsdp.before_forward()
         if self._held and not any(f.gate is self for f in open_frames()):
             self._release()  # the last forward had no backward that reached its output
         if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
@@ -164,8 +164,8 @@ class _Cut(Handle):
 
             self._ddp_checked = True
             require_find_unused_parameters(calling_ddp())
-        if self._check_ranks:
-            from .distributed import check_same_plan
+        if self._check_ranks and (torch.is_grad_enabled() or grad_held_off()):
+            from .distributed import check_same_plan  # no graph (an evaluation): no averaging
 
             check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
@@ -202,6 +202,7 @@ class _Cut(Handle):
         if not raising:  # no diagnostics while an exception propagates
             self._stacks.learn(frame)
             self._warn_after_forward(frame, never_opened, nothing_learns)
+            self._fsdp.after_forward(output)
 
     # -- block hooks ---------------------------------------------------------------------------
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
@@ -436,5 +437,4 @@ class _Cut(Handle):
         self._release()
         self._hooks.remove()
         self._extra_hooks.remove()
-        if self._fsdp_restore is not None:
-            self._fsdp_restore()
+        self._fsdp.restore()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from itertools import count
 from typing import Any
 
+import torch
 from torch import nn
 
+from ._autograd import tensors_in
 from ._errors import GradgateError
+from ._hooks import HookSet
 
 
 def apply_plan_to_fsdp(
@@ -58,3 +63,95 @@ def _fsdp_param_groups(module: nn.Module) -> list[Any]:
         groups = [] if group is None else [group]
     # torch before set_unshard_in_backward has no such setting: nothing to change there
     return [group for group in groups if hasattr(group, "unshard_in_backward")]
+
+
+class FsdpPlan:
+    """A gate's FSDP2 settings: backward all-gathers the blocks it runs through.
+
+    That is the union of what every forward whose backward is still to come needed (the plan
+    may change between a forward and its backward, or between several forwards summed into one
+    loss), or, with none to come, what the plan now needs. Blocks ``fully_shard``-ed after the
+    gate was made are found at the next forward. ``needs()`` says, per block, whether backward
+    runs through it; ``hooks`` are the gate's, to be put around FSDP2's.
+    """
+
+    def __init__(
+        self, blocks: list[nn.Module], needs: Callable[[], list[bool]], *hooks: HookSet
+    ) -> None:
+        self._blocks, self._needs, self._hooks = blocks, needs, hooks
+        self._sharded = _any_sharded(blocks)
+        self._wanted: list[bool] | None = None  # the current plan's, computed once sharded
+        self._pending: dict[int, list[bool]] = {}  # per forward whose backward is to come
+        self._keys = count()
+        self._original: dict[Any, bool] | None = None  # each group's setting before the gate
+
+    def plan_changed(self) -> None:
+        if self._sharded:
+            self._wanted = self._needs()
+            self._apply()
+
+    def before_forward(self) -> None:
+        """Find blocks ``fully_shard``-ed since the gate was made: the gate's hooks then go
+        around FSDP2's, as if the gate came after (its pre-forward sees what the gate froze),
+        and the plan applies."""
+        if self._sharded or not torch.distributed.is_initialized():
+            return
+        if _any_sharded(self._blocks):
+            self._sharded = True
+            for hook_set in self._hooks:
+                hook_set.outermost()
+            self.plan_changed()
+
+    def after_forward(self, output: Any) -> None:
+        """Keep this forward's blocks all-gathered in backward until its backward is done."""
+        if not self._sharded:
+            return
+        self._wanted = self._needs()  # also learns where named modules ran
+        graph = [t for t in tensors_in(output) if t.requires_grad]
+        if graph:
+            key = next(self._keys)
+            self._pending[key] = self._wanted
+            done = _AtBackward(self._pending, key)
+            # an output dropped with no backward frees the hook, and with it the entry
+            weakref.finalize(done, self._pending.pop, key, None)
+            for tensor in graph:
+                tensor.register_hook(done)
+        self._apply()
+
+    def _apply(self) -> None:
+        assert self._wanted is not None
+        # a plan set after a forward is for the next forward, not for this one's backward
+        needs = list(self._pending.values()) or [self._wanted]
+        groups = [_fsdp_param_groups(block) for block in self._blocks]
+        if self._original is None:
+            self._original = {g: g.unshard_in_backward for block in groups for g in block}
+        # every flag is set each time, so a setting changed by hand in between is no trap
+        for block, needed in zip(groups, map(any, zip(*needs, strict=True)), strict=True):
+            for group in block:
+                group.unshard_in_backward = needed and self._original.get(group, True)
+
+    def restore(self) -> None:
+        original, self._original = self._original or {}, None
+        for group, value in original.items():
+            group.unshard_in_backward = value
+
+
+class _AtBackward:
+    """A hook on a forward's outputs: at the end of the backward that reaches them, the forward
+    no longer needs its blocks all-gathered."""
+
+    def __init__(self, pending: dict[int, list[bool]], key: int) -> None:
+        self._pending, self._key, self._queued = pending, key, False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._done)
+
+    def _done(self) -> None:
+        self._pending.pop(self._key, None)
+
+
+def _any_sharded(blocks: list[nn.Module]) -> bool:
+    # a class attribute: fully_shard swaps the module's class, and no __getattr__ runs
+    return any(getattr(type(m), "set_unshard_in_backward", None) for m in blocks)

@@ -74,9 +74,21 @@ class HookSet:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle | _InstanceForward] = []
+        self._pre: set[int] = set()  # ids of the pre-hook handles
 
     def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._handles.append(module.register_forward_pre_hook(hook, **options))
+        self._pre.add(id(self._handles[-1]))
+
+    def outermost(self) -> None:
+        """Run these hooks around those registered after them: pre-hooks first, the others
+        last (``fully_shard`` after a gate puts FSDP2's hooks around the gate's otherwise)."""
+        for handle in self._handles:
+            if not isinstance(handle, RemovableHandle):
+                continue  # a wrapped forward runs inside every hook anyway
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                hooks.move_to_end(handle.id, last=id(handle) not in self._pre)
 
     def post(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._handles.append(module.register_forward_hook(hook, **options))
@@ -89,6 +101,7 @@ class HookSet:
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []
+        self._pre.clear()
         for handle in handles:
             handle.remove()
 

@@ -64,6 +64,14 @@ class Stacks:
         """Whether outside module ``index`` ran after ``stack`` (and never before it) so far."""
         return index in self._after.get(stack, ()) and index not in self._before.get(stack, ())
 
+    def first_block_after(self, index: int) -> int:
+        """The first block outside module ``index`` may run before: the first of the first stack
+        it was not seen running after (the number of blocks when it runs after all of them)."""
+        for position, stack in enumerate(self.of):
+            if not self.seen_after(stack, index):
+                return position
+        return len(self.of)
+
     def learn(self, frame: Frame) -> None:
         """Take note of what ran before and after each stack in a forward that completed."""
         for order, stack in enumerate(frame.stacks_ran):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._bucket_tag import digits_per_element, disagreeing, encode
 from ._errors import GradgateError, RankMismatchError
 from ._fsdp import apply_plan_to_fsdp
 from ._handles import Handle
@@ -222,6 +222,7 @@ class TrainedAllReduce(Handle):
         self.bytes_full = 0  # bytes DDP's default hook would have all-reduced
         self.trained_only = True
         self._tagged = assume_same_plan  # no flag exchange: a layout tag checks agreement
+        self._ddp = ddp
         self._fresh: set[int] = set()  # ids of parameters with a gradient not yet reduced
         self._hooks = self._watch(ddp)
 
@@ -250,7 +251,8 @@ class TrainedAllReduce(Handle):
         buffer = bucket.buffer()
         size = buffer.numel()
         self.bytes_full += size * buffer.element_size()
-        stretches = self._stretches(bucket) if self.trained_only else [(0, size)]
+        tagged = self._can_tag(buffer.dtype) and self._tagged
+        flags, stretches = self._stretches(bucket, agree=not tagged)
         if not stretches:
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(buffer)
@@ -258,35 +260,31 @@ class TrainedAllReduce(Handle):
         sent = sum(end - start for start, end in stretches)
         self.bytes_reduced += sent * buffer.element_size()
         # Sending the whole bucket needs no tag: a rank sending less would fail on the size.
-        tag = self._layout_tag(stretches, buffer) if self._tagged and sent < size else None
+        tag = encode(flags, self.world_size, buffer.dtype) if tagged and sent < size else None
+        width = 0 if tag is None else tag.numel()
         copy_back: list[tuple[int, int]] = []
-        if len(stretches) == 1:
-            packed, tag_at, borrowed = self._in_place(buffer, stretches[0], tag)
+        saved: torch.Tensor | None = None
+        first, last = stretches[0][0], stretches[-1][1]
+        if len(stretches) == 1 and last + width <= size:  # where it lies; the tag borrows after
+            buffer[first:last].div_(self.world_size)
+            packed = buffer[first : last + width]
+            saved = buffer[last : last + width].clone() if width else None
         else:
             parts = [buffer[start:end] for start, end in stretches]
-            if tag is not None:
-                parts.append(torch.zeros(1, dtype=buffer.dtype, device=buffer.device))
-            packed = torch.cat(parts)
+            packed = torch.cat([*parts, buffer.new_zeros(width)])
             packed[:sent].div_(self.world_size)
-            tag_at, borrowed, copy_back = (sent if tag is not None else None), None, stretches
-        if tag is not None and tag_at is not None:
-            packed[tag_at] = tag
+            copy_back = stretches
+        if tag is not None:  # at the same offset on every rank that sends as much
+            packed[sent:] = tag.to(buffer.device)
         work = dist.all_reduce(packed, group=self.group, async_op=True)
 
         def unpack(future: torch.futures.Future[Any]) -> torch.Tensor:
             future.wait()
-            if tag is not None and tag_at is not None:
-                total = packed[tag_at].item()
-                if borrowed is not None:  # the borrowed neighbour gets its value back
-                    buffer[borrowed[0]] = borrowed[1]
-                if total != tag * self.world_size:
-                    raise RankMismatchError(
-                        f"bucket {bucket.index()}: the ranks all-reduced different parameters "
-                        "(allreduce_trained(..., assume_same_plan=True) saw layout tags summing "
-                        f"to {total}, expected {tag * self.world_size}); expected every rank's "
-                        "backward to reach the same parameters. Use the same plan on every "
-                        "rank (BackpropGate(..., check_ranks=True)) or assume_same_plan=False."
-                    )
+            if tag is not None:
+                summed = packed[sent:].to("cpu", copy=True)  # read before restoring
+                if saved is not None:  # the borrowed elements get their values back
+                    buffer[last : last + width] = saved
+                self._check_layout(bucket, summed, len(flags))
             position = 0
             for start, end in copy_back:
                 buffer[start:end].copy_(packed[position : position + end - start])
@@ -295,41 +293,51 @@ class TrainedAllReduce(Handle):
 
         return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(unpack))
 
-    def _in_place(
-        self, buffer: torch.Tensor, stretch: tuple[int, int], tag: int | None
-    ) -> tuple[torch.Tensor, int | None, tuple[int, torch.Tensor] | None]:
-        """One stretch is all-reduced where it lies, no copy; a tag borrows the next element."""
-        start, end = stretch
-        buffer[start:end].div_(self.world_size)
-        if tag is None:
-            return buffer[start:end], None, None
-        borrowed = end if end < buffer.numel() else start - 1  # not sent, restored after
-        saved = buffer[borrowed].clone()
-        low, high = min(start, borrowed), max(end, borrowed + 1)
-        return buffer[low:high], borrowed - low, (borrowed, saved)
+    def _can_tag(self, dtype: torch.dtype) -> bool:
+        """Tags need exact sums in the bucket's dtype, and ranks that all run backward: under
+        DDP's ``join()`` a rank out of inputs sends zeros and must learn the layout."""
+        joining = getattr(getattr(self._ddp, "_join_config", None), "enable", False)
+        if joining and not getattr(self._ddp, "_divide_by_initial_world_size", True):
+            raise GradgateError(
+                "DDP's join(divide_by_initial_world_size=False) averages over the ranks still "
+                "running, but allreduce_trained divides by the world size; expected "
+                "ddp.join() with its default divide_by_initial_world_size=True. Use that, or "
+                "handle.remove() for the uneven epoch."
+            )
+        return digits_per_element(self.world_size, dtype) > 0 and not joining
 
-    def _layout_tag(self, stretches: list[tuple[int, int]], buffer: torch.Tensor) -> int:
-        """A small integer naming the stretches, summed exactly in the bucket's dtype."""
-        digits = (
-            1 - round(math.log2(torch.finfo(buffer.dtype).eps))
-            if buffer.is_floating_point()
-            else 31
+    def _check_layout(self, bucket: GradBucket, summed: torch.Tensor, count: int) -> None:
+        differ = disagreeing(summed, count, self.world_size)
+        if not differ:
+            return
+        names = {id(p): n for n, p in self._ddp.module.named_parameters()}
+        params = bucket.parameters()
+        listed = ", ".join(names.get(id(params[i]), "?") for i in differ[:5])
+        raise RankMismatchError(
+            f"bucket {bucket.index()}: the ranks all-reduced different parameters ({listed} "
+            "got a gradient on some ranks only; allreduce_trained(..., assume_same_plan=True) "
+            "read it from the layout tags); expected every rank's backward to reach the same "
+            "parameters. Use the same plan on every rank (BackpropGate(..., check_ranks=True)) "
+            "or assume_same_plan=False."
         )
-        limit = max(1, 2**digits // self.world_size)
-        digest = hashlib.blake2b(repr(stretches).encode(), digest_size=8).digest()
-        return 1 + int.from_bytes(digest, "little") % limit if limit > 1 else 1
 
-    def _stretches(self, bucket: GradBucket) -> list[tuple[int, int]]:
-        """Runs of the bucket whose parameters got a gradient on any rank since the last sync."""
+    def _stretches(
+        self, bucket: GradBucket, *, agree: bool
+    ) -> tuple[list[bool], list[tuple[int, int]]]:
+        """This rank's flag per parameter of the bucket (got a gradient since the last sync) and
+        the runs to send: with ``agree``, those of the parameters flagged on any rank."""
         params = bucket.parameters()
         flags = [id(p) in self._fresh or id(p) in self._always for p in params]
-        used = torch.tensor(flags, dtype=torch.uint8, device=bucket.buffer().device)
         self._fresh.difference_update(id(p) for p in params)
-        if self.world_size > 1 and not self._tagged:  # same stretches on every rank: the union
+        if not self.trained_only:
+            return flags, [(0, bucket.buffer().numel())]
+        if self.world_size > 1 and agree:  # same stretches on every rank: the union
+            used = torch.tensor(flags, dtype=torch.uint8, device=bucket.buffer().device)
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+            flags = [bool(flag) for flag in used.tolist()]
         stretches: list[tuple[int, int]] = []
         offset = 0
-        for param, flag in zip(params, used.tolist(), strict=True):
+        for param, flag in zip(params, flags, strict=True):
             end = offset + param.numel()
             if flag and stretches and stretches[-1][1] == offset:
                 stretches[-1] = (stretches[-1][0], end)
@@ -337,8 +345,8 @@ class TrainedAllReduce(Handle):
                 stretches.append((offset, end))
             offset = end
         if offset != bucket.buffer().numel():  # a layout this hook does not know: send it all
-            return [(0, bucket.buffer().numel())]
-        return stretches
+            return flags, [(0, bucket.buffer().numel())]
+        return flags, stretches
 
     def __repr__(self) -> str:
         share = self.bytes_reduced / self.bytes_full if self.bytes_full else 0.0
@@ -365,9 +373,10 @@ def allreduce_trained(
     ``assume_same_plan=True`` skips that agreement (one small blocking all-reduce per bucket,
     which on a GPU also waits for the stream): every rank's backward must then reach the same
     parameters, as with one plan per step (``BackpropGate(..., check_ranks=True)``) and no
-    data-dependent branches. One extra element in each bucket sent in part, a tag of its
-    layout, turns a disagreement into an error raised by ``backward()`` (its message that of
-    :class:`~gradgate.RankMismatchError`) rather than a wrong average.
+    data-dependent branches. A few extra elements in each bucket sent in part, a tag of its
+    layout (one digit per parameter), turn a disagreement into an error raised by
+    ``backward()`` on every rank (its message that of :class:`~gradgate.RankMismatchError`)
+    rather than a wrong average. Under DDP's ``join()`` the flags are exchanged anyway.
 
     Accumulation under ``no_sync`` with a different plan per micro-batch,
     ``gradient_as_bucket_view=True`` and buckets that cut across blocks are handled. Needs
