@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ def require_a_forward(model: nn.Module) -> None:
             f"a {type(model).__name__} has no forward of its own, so a gate on it would never "
             "run. Gate the model that calls it, e.g. gg.BackpropGate(model) or "
             "gg.BackpropGate(model, blocks='transformer.h.*')."
+        )
+    forward = inspect.unwrap(model.forward)
+    if inspect.isgeneratorfunction(forward) or inspect.isasyncgenfunction(forward):
+        raise BlockCallError(
+            f"{type(model).__name__}.forward is a generator: its blocks run after forward has "
+            "returned, while it is being iterated, where no gate can follow them. Return the "
+            "outputs (a list or tuple) instead of yielding them, or gate a module whose forward "
+            "returns."
         )
 
 

@@ -52,6 +52,7 @@ def compile_blocks(
     """
     import torch
 
+    _check_compile_keywords(compile_kwargs)
     if "fullgraph" in compile_kwargs and not isinstance(compile_kwargs["fullgraph"], bool):
         raise InvalidOptionError(
             f"fullgraph={compile_kwargs['fullgraph']!r}; expected True or False."
@@ -92,3 +93,21 @@ def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(forward, _MARK, True)
     return forward
+
+
+def _check_compile_keywords(compile_kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword ``torch.compile`` does not take (before any block is touched)."""
+    import difflib
+    import inspect
+
+    import torch
+
+    known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    for keyword in compile_kwargs:
+        if keyword not in known:
+            close = difflib.get_close_matches(keyword, known, n=1)
+            hint = f" Did you mean {close[0]}=?" if close else ""
+            raise InvalidOptionError(
+                f"compile_blocks got the keyword {keyword}=, which torch.compile does not take; "
+                f"expected blocks= or one of torch.compile's: {', '.join(known)}.{hint}"
+            )

@@ -265,7 +265,8 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
 
     Patterns are module or parameter names, globs or ranges (see :func:`gradgate.select`);
     ``'**'`` is the whole model and ``''`` is refused. What is frozen is the union of the
-    matches, so no pattern at all freezes nothing (a per-step freeze set may be empty).
+    matches; no pattern at all is refused (an empty slice such as ``slice(0, 0)`` is an explicit
+    empty set).
     Frozen parameters get ``requires_grad=False``, so backward gives them no new gradient;
     a gradient they already hold (earlier micro-batches of an accumulation) is kept. Call
     ``optimizer.zero_grad()`` (``set_to_none=True``, the default) so no optimizer moves them.
@@ -285,7 +286,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     """
     check_module(model)
     check_choice("norm", norm, get_args(NormMode))
-    patterns = check_patterns("freeze", patterns, model=model, allow_none=True)
+    patterns = check_patterns("freeze", patterns, model=model)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     for name, param in params:
@@ -344,7 +345,7 @@ def unfreeze(
             f"optimizer={optimizer!r:.60} has type {type(optimizer).__name__}; expected a "
             "torch.optim.Optimizer (the one training this model) or None."
         )
-    patterns = check_patterns("unfreeze", patterns, model=model, allow_none=True)
+    patterns = check_patterns("unfreeze", patterns, model=model)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))
