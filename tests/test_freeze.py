@@ -154,7 +154,10 @@ class Tied(nn.Module):
 
 def test_freezing_a_tied_alias_by_its_own_name_freezes_the_shared_parameter() -> None:
     model = Tied()
-    with gg.frozen(model, "head.weight") as handle:
+    with (
+        pytest.warns(gg.SharedParameterWarning, match="'emb.weight' too"),
+        gg.frozen(model, "head.weight") as handle,
+    ):
         assert handle.parameters == ["head.weight"]
         assert not model.emb.weight.requires_grad
         model(torch.tensor([1, 2])).sum().backward()

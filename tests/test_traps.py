@@ -268,3 +268,33 @@ def test_an_optimizer_of_other_parameters_is_left_alone() -> None:
     opt.step()
     assert net[0].weight.grad is not None
     handle.undo()
+
+
+# -- freezing one of two tied modules ----------------------------------------------------------
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+def test_freezing_one_of_two_tied_modules_warns_naming_both() -> None:
+    model = Tied()
+    with pytest.warns(gg.SharedParameterWarning, match=r"'head.weight'.*'emb.weight'"):
+        handle = gg.freeze(model, "head")
+    assert not model.emb.weight.requires_grad  # what it says: the tensor is frozen
+    handle.undo()
+    assert model.emb.weight.requires_grad
+
+
+@pytest.mark.parametrize("patterns", [("head", "emb"), ("**",), ("emb.weight", "head")])
+def test_freezing_both_tied_modules_is_silent(patterns: tuple[str, ...]) -> None:
+    model = Tied()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gg.freeze(model, *patterns).undo()

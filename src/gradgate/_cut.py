@@ -45,6 +45,7 @@ from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
+from ._stale_grads import CutGrads
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -81,6 +82,7 @@ class _Cut(Handle):
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
+        self._stale_grads = CutGrads(points, self._shared_ids)
         self._ddp_checked = False  # at a forward: the process group may start after the gate
         if distributed_running():
             from .distributed import require_find_unused_parameters
@@ -170,6 +172,8 @@ class _Cut(Handle):
             check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
+        if grad:
+            self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
         frame.training = self._set_prefix_mode() if blocking else []
@@ -436,5 +440,6 @@ class _Cut(Handle):
         self._release()
         self._hooks.remove()
         self._extra_hooks.remove()
+        self._stale_grads.remove()
         if self._fsdp_restore is not None:
             self._fsdp_restore()
