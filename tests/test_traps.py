@@ -298,3 +298,116 @@ def test_freezing_both_tied_modules_is_silent(patterns: tuple[str, ...]) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gg.freeze(model, *patterns).undo()
+
+
+# -- gate.skip on a block with no residual path ---------------------------------------------------
+class ScaledResidual(nn.Module):
+    """A residual block that returns a tuple, reshapes, and records each call's grad mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.modes.append(torch.is_grad_enabled())
+        h = self.fc(x)
+        out = (x.reshape(-1) + torch.tanh(h).reshape(-1)).view_as(x)
+        return out, h.sum()
+
+
+class TupleStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ScaledResidual() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x, _ = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("learn", [None, {0, 2, 3}])
+def test_skip_of_a_block_with_no_residual_path_refuses(learn: set[int] | None) -> None:
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    with gg.BackpropGate(net) as gate:
+        gate.learn = learn
+        gate.skip = {1}
+        with pytest.raises(gg.BlockCallError, match=r"'1'.*residual"):
+            net(torch.randn(2, 8))
+        assert torch.is_grad_enabled()
+        gate.skip = set()
+        net(torch.randn(2, 8)).sum().backward()  # nothing left behind
+
+
+def test_dropbp_on_blocks_with_no_residual_path_refuses() -> None:
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    sched = gg.schedules.DropBP(4, rates=[0.0, 1.0, 0.0, 0.0])
+    with gg.BackpropGate(net) as gate:
+        sched.apply(gate, 0)
+        with pytest.raises(gg.BlockCallError, match="residual"):
+            net(torch.randn(2, 8))
+
+
+def test_skip_of_a_residual_block_is_checked_once_and_then_runs_with_no_graph() -> None:
+    torch.manual_seed(0)
+    net = TupleStack()
+    x = torch.randn(3, 4)
+    with gg.BackpropGate(net, "layers.*") as gate:
+        gate.skip = {1}
+        for _ in range(3):
+            net.zero_grad(set_to_none=True)
+            net(x).sum().backward()
+            assert net.layers[1].fc.weight.grad is None  # skipped: no gradient of its own
+    assert net.layers[1].modes == [True, False, False]  # the graph only for the first check
+    # the gradient passes around the skipped block as the identity (DropBP)
+    layers = net.layers
+    h0, _ = layers[0](x)
+    with torch.no_grad():
+        h1 = layers[1](h0)[0]
+    h1 = h1 + (h0 - h0.detach())
+    h3 = layers[3](layers[2](h1)[0])[0]
+    expected = torch.autograd.grad(h3.sum(), list(layers[0].parameters()))
+    net.zero_grad(set_to_none=True)
+    with gg.BackpropGate(net, "layers.*") as gate:
+        gate.skip = {1}
+        net(x).sum().backward()
+    for got, want in zip(layers[0].parameters(), expected, strict=True):
+        torch.testing.assert_close(got.grad, want)
+
+
+# -- blocks and modules the forward never calls ----------------------------------------------------
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_learning_block_the_forward_never_calls_is_named() -> None:
+    net = WithUnused()
+    with (
+        gg.BackpropGate(net, ["a", "b", "unused"], depth=1),
+        pytest.warns(gg.BlockCallWarning, match=r"'unused'.*never ran"),
+    ):
+        out = net(torch.randn(2, 4))
+    assert not out.requires_grad
+
+
+def test_stop_gradient_at_a_module_the_forward_never_calls_is_named() -> None:
+    net = WithUnused()
+    with (
+        gg.stop_gradient_at(net, "unused"),
+        pytest.warns(gg.BlockCallWarning, match=r"'unused'.*never ran"),
+    ):
+        net(torch.randn(2, 4))
+
+
+def test_a_learning_module_the_forward_never_calls_is_named() -> None:
+    net = WithUnused()
+    with gg.BackpropGate(net, ["a", "b"]) as gate:
+        gate.learn = {"unused"}
+        with pytest.warns(gg.BlockCallWarning, match=r"'unused'.*never ran"):
+            net(torch.randn(2, 4))
