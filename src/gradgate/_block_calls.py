@@ -107,6 +107,8 @@ def require_residual_path(name: str, args: Any, kwargs: Any, output: Any) -> Any
     if not inputs or not outputs or outputs[0] is inputs[0]:
         return _detached(output)
     x, out = inputs[0], outputs[0]
+    if out.shape != x.shape:
+        return _detached(output)  # pass_around refuses it, naming the shapes
     found: list[str] = []
 
     def follow(node: Any) -> bool:

@@ -100,11 +100,13 @@ class BackpropGate(_Cut):
     @skip.setter
     def skip(self, value: Iterable[int] | None) -> None:
         self._require_active()
-        if isinstance(value, float) or (
-            isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point()
-        ):
-            raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.")
-        positions = self._positions(() if value is None else value, option="skip")
+        if hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim()):
+            value = [value]  # one position, as learn takes it
+        try:
+            items = [] if value is None else list(value)  # type: ignore[call-overload]
+        except TypeError:
+            raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.") from None
+        positions = self._positions(items, option="skip")
         self._skip = frozenset(positions)
         self._first = None
         self._apply_to_fsdp()
