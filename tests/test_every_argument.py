@@ -286,6 +286,8 @@ def _verify_cut(model: nn.Module, gate: Any) -> str:
         expected = {i for i in range(first, N_BLOCKS) if i in named or i not in listed}
     else:
         expected = set(range(N_BLOCKS))
+    if any(listed[p] > min(expected, default=N_BLOCKS) for p in gate.skip):
+        return f"{gate!r}: passed a gradient around a block with no residual path"
     expected -= {listed[p] for p in gate.skip}
     if learning != expected:
         return f"{gate!r}: blocks {sorted(learning)} learned, expected {sorted(expected)}"

@@ -411,3 +411,10 @@ def test_a_learning_module_the_forward_never_calls_is_named() -> None:
         gate.learn = {"unused"}
         with pytest.warns(gg.BlockCallWarning, match=r"'unused'.*never ran"):
             net(torch.randn(2, 4))
+
+
+def test_compile_blocks_with_a_backend_torch_does_not_know_refuses() -> None:
+    net = chain()
+    with pytest.raises(gg.InvalidOptionError, match="nope"):
+        gg.compile_blocks(net, backend="nope")
+    assert not any("forward" in vars(m) for m in net.modules())

@@ -64,6 +64,13 @@ def compile_blocks(
                 f"block {name!r} is already compiled by gg.compile_blocks; expected each block "
                 "compiled once. Remove the earlier handle first."
             )
+    try:  # torch.compile checks its options (a backend name) before anything is replaced
+        torch.compile(points[0][1].forward, **compile_kwargs)
+    except Exception as error:
+        raise InvalidOptionError(
+            f"torch.compile refused the options {compile_kwargs!r:.120}: {error}; expected "
+            "options torch.compile accepts, e.g. backend='inductor' or mode='reduce-overhead'."
+        ) from None
     restores = []
     for _, block in points:
         had_own = "forward" in vars(block)
