@@ -98,12 +98,11 @@ class BackpropGate(_Cut):
         return self._skip
 
     @skip.setter
-    def skip(self, value: Iterable[int] | None) -> None:
+    def skip(self, value: Iterable[int] | int | None) -> None:
         self._require_active()
-        if hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim()):
-            value = [value]  # one position, as learn takes it
-        try:
-            items = [] if value is None else list(value)  # type: ignore[call-overload]
+        one = hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim())
+        try:  # one position, as learn takes it, or a set of them
+            items = [value] if one else [] if value is None else list(value)  # type: ignore[arg-type]
         except TypeError:
             raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.") from None
         positions = self._positions(items, option="skip")
