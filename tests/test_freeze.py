@@ -154,7 +154,10 @@ class Tied(nn.Module):
 
 def test_freezing_a_tied_alias_by_its_own_name_freezes_the_shared_parameter() -> None:
     model = Tied()
-    with gg.frozen(model, "head.weight") as handle:
+    with (
+        pytest.warns(gg.SharedParameterWarning, match="'emb.weight' too"),
+        gg.frozen(model, "head.weight") as handle,
+    ):
         assert handle.parameters == ["head.weight"]
         assert not model.emb.weight.requires_grad
         model(torch.tensor([1, 2])).sum().backward()
@@ -187,14 +190,16 @@ def test_freeze_keeps_gradient_accumulated_by_earlier_micro_batches() -> None:
 
 
 @pytest.mark.parametrize("call", [gg.freeze, gg.frozen, gg.unfreeze])
-def test_no_pattern_is_the_empty_set_and_says_so(call) -> None:
-    model = nn.Sequential(nn.Linear(2, 2))
+def test_no_pattern_is_refused_and_an_empty_slice_is_the_empty_set(call) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     model[0].bias.requires_grad_(False)
-    handle = call(model, *[])
-    assert handle.parameters == [] and "nothing" in repr(handle)
-    assert [p.requires_grad for p in model.parameters()] == [True, False]
+    with pytest.raises(gg.InvalidOptionError, match="no pattern"):
+        call(model, *[])
+    handle = call(model, slice(0, 0))
+    assert handle.parameters == []
+    assert [p.requires_grad for p in model.parameters()] == [True, False, True, True]
     handle.undo()
-    assert [p.requires_grad for p in model.parameters()] == [True, False]
+    assert [p.requires_grad for p in model.parameters()] == [True, False, True, True]
 
 
 @pytest.mark.parametrize("pattern", ["", " "])

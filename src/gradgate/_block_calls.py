@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 
-from ._autograd import tensors_in
+from ._autograd import leaf_variable, tensors_in, walk
 from ._errors import (
     BlockCallError,
     BlockCallWarning,
@@ -23,6 +25,14 @@ def require_a_forward(model: nn.Module) -> None:
             f"a {type(model).__name__} has no forward of its own, so a gate on it would never "
             "run. Gate the model that calls it, e.g. gg.BackpropGate(model) or "
             "gg.BackpropGate(model, blocks='transformer.h.*')."
+        )
+    forward = inspect.unwrap(model.forward)
+    if inspect.isgeneratorfunction(forward) or inspect.isasyncgenfunction(forward):
+        raise BlockCallError(
+            f"{type(model).__name__}.forward is a generator: its blocks run after forward has "
+            "returned, while it is being iterated, where no gate can follow them. Return the "
+            "outputs (a list or tuple) instead of yielding them, or gate a module whose forward "
+            "returns."
         )
 
 
@@ -61,6 +71,87 @@ def pass_around(name: str, args: Any, kwargs: Any, output: Any) -> Any:
         return output
     through = outputs[0].detach() + (x - x.detach())  # value of the block, gradient of identity
     return _replace_first_tensor(output, through)
+
+
+class ResidualPaths:
+    """Skipped blocks whose residual path was seen in their own graph: each is checked once,
+    at its first skipped call whose input carries a graph (that call keeps its graph)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def trace(self, position: int, args: Any) -> bool:
+        """Whether this skipped call keeps its graph for the check."""
+        if position in self.seen:
+            return False
+        inputs = tensors_in(args)
+        return bool(inputs) and inputs[0].requires_grad
+
+    def check(
+        self, traced: bool, position: int, name: str, args: Any, kwargs: Any, output: Any
+    ) -> Any:
+        """The output, with no graph once checked; raises when there is no residual path."""
+        if not traced:
+            return output
+        output = require_residual_path(name, args, kwargs, output)
+        self.seen.add(position)
+        return output
+
+
+def require_residual_path(name: str, args: Any, kwargs: Any, output: Any) -> Any:
+    """Raise unless the block's own graph has a path of additions and views from its output
+    back to its input (the residual a skipped block's gradient passes through); returns the
+    output with no graph. Opaque nodes (compiled, reentrant checkpoint, custom functions) are
+    taken on trust."""
+    inputs, outputs = tensors_in((args, kwargs)), tensors_in(output)
+    if not inputs or not outputs or outputs[0] is inputs[0]:
+        return _detached(output)
+    x, out = inputs[0], outputs[0]
+    if out.shape != x.shape:
+        return _detached(output)  # pass_around refuses it, naming the shapes
+    found: list[str] = []
+
+    def follow(node: Any) -> bool:
+        if node is x.grad_fn or leaf_variable(node) is x:
+            found.append("input")
+            return False
+        kind = type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+        if isinstance(node, BackwardCFunction) or "Compiled" in kind or "Checkpoint" in kind:
+            found.append("opaque")
+            return False
+        return kind in _RESIDUAL_STEPS
+
+    if out.grad_fn is not None:
+        for _ in walk([out.grad_fn], enter=follow):
+            if found:
+                break
+    if not found:
+        raise BlockCallError(
+            f"block {name!r} cannot be skipped: its output has no residual path back to its "
+            f"input (only additions and views: output = input + f(input)), so passing the "
+            "gradient around it as the identity would give earlier blocks a gradient of "
+            "nothing. Skip only residual blocks; expected a block such as a transformer layer."
+        )
+    return _detached(output)
+
+
+_RESIDUAL_STEPS = frozenset(
+    {
+        *("Add", "Sub", "View", "UnsafeView", "Reshape", "ReshapeAlias", "Expand", "Clone"),
+        *("ToCopy", "Alias", "Transpose", "T", "Permute", "Squeeze", "Unsqueeze"),
+        *("SqueezeDim", "UnsqueezeDim"),
+    }
+)
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, (tuple, list)) and type(output) in (tuple, list):
+        return type(output)(_detached(item) for item in output)
+    if isinstance(output, dict) and type(output) is dict:
+        return {key: _detached(value) for key, value in output.items()}
+    return output
 
 
 def _replace_first_tensor(output: Any, tensor: torch.Tensor) -> Any:
@@ -123,6 +214,30 @@ NOTHING_LEARNS = (
     "cut-off blocks), so the output has no graph and backward would fail. Choose a larger "
     "depth, or unfreeze a module after the cut."
 )
+
+
+def warn_learners_not_run(gate: Any, frame: Any, never_opened: bool) -> bool:
+    """When nothing learned: name the learning blocks that did not run and the trainable
+    learning modules (they ran with no graph, or not at all), else the generic warning."""
+    names = {id(m): n for n, m in gate._model.named_modules()}
+    missing = [
+        name
+        for position, (name, _) in enumerate(gate._points)
+        if gate._learns(position) and position not in gate._skip and position not in frame.ran
+    ] + [names.get(id(m), "?") for m in gate._extra if any(p.requires_grad for p in m.parameters())]
+    if missing:
+        listed = ", ".join(repr(n) for n in missing)
+        warn(
+            f"nothing learns in this forward: the learning module(s) {listed} never ran. They "
+            f"are registered in {type(gate._model).__name__} but its forward did not call them "
+            "(or LayerDrop skipped them this step), so the output has no graph. Plan over "
+            "modules the forward calls (gg.blocks(model) lists the blocks), or call them.",
+            BlockCallWarning,
+        )
+        return True
+    if never_opened:
+        warn_never_opened()
+    return False
 
 
 def warn_never_opened() -> None:

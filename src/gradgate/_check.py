@@ -200,9 +200,10 @@ def _frozen_in_optimizer(
         name,
         f"{name!r} does not require grad but is held by {place} and its .grad is {kind} "
         f"(not None), so optimizer.step() still moves it through {reason}.",
-        f"freeze with gg.freeze(model, {name!r}) (sets .grad to None) and zero grads with "
-        "optimizer.zero_grad(set_to_none=True) (the default); or leave the parameter out of "
-        "the optimizer.",
+        f"freeze with gg.freeze(model, {name!r}): it drops an all-zero .grad at once and "
+        "before each step, and a kept (accumulated) .grad right after the step that applied "
+        "it, so no step moves the parameter; or zero grads with optimizer.zero_grad("
+        "set_to_none=True) (the default); or leave the parameter out of the optimizer.",
     )
 
 

@@ -52,6 +52,7 @@ def compile_blocks(
     """
     import torch
 
+    _check_compile_keywords(compile_kwargs)
     if "fullgraph" in compile_kwargs and not isinstance(compile_kwargs["fullgraph"], bool):
         raise InvalidOptionError(
             f"fullgraph={compile_kwargs['fullgraph']!r}; expected True or False."
@@ -63,6 +64,13 @@ def compile_blocks(
                 f"block {name!r} is already compiled by gg.compile_blocks; expected each block "
                 "compiled once. Remove the earlier handle first."
             )
+    try:  # torch.compile checks its options (a backend name) before anything is replaced
+        torch.compile(points[0][1].forward, **compile_kwargs)
+    except Exception as error:
+        raise InvalidOptionError(
+            f"torch.compile refused the options {compile_kwargs!r:.120}: {error}; expected "
+            "options torch.compile accepts, e.g. backend='inductor' or mode='reduce-overhead'."
+        ) from None
     restores = []
     for _, block in points:
         had_own = "forward" in vars(block)
@@ -92,3 +100,21 @@ def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(forward, _MARK, True)
     return forward
+
+
+def _check_compile_keywords(compile_kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword ``torch.compile`` does not take (before any block is touched)."""
+    import difflib
+    import inspect
+
+    import torch
+
+    known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    for keyword in compile_kwargs:
+        if keyword not in known:
+            close = difflib.get_close_matches(keyword, known, n=1)
+            hint = f" Did you mean {close[0]}=?" if close else ""
+            raise InvalidOptionError(
+                f"compile_blocks got the keyword {keyword}=, which torch.compile does not take; "
+                f"expected blocks= or one of torch.compile's: {', '.join(known)}.{hint}"
+            )

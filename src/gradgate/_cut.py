@@ -19,6 +19,7 @@ from torch import nn
 from ._autograd import tensors_in
 from ._block_calls import (
     NOTHING_LEARNS,
+    ResidualPaths,
     blocks_sharing_parameters,
     check_block_output_learns,
     distributed_running,
@@ -27,7 +28,7 @@ from ._block_calls import (
     pass_around,
     require_a_forward,
     shared_parameter_owners,
-    warn_never_opened,
+    warn_learners_not_run,
     warn_shared_straddles,
 )
 from ._errors import BlockCallWarning, GradgateError, warn
@@ -46,6 +47,7 @@ from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
+from ._stale_grads import CutGrads
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -82,6 +84,8 @@ class _Cut(Handle):
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
         self._held: list[nn.Parameter] = []
         self._shares_params = blocks_sharing_parameters(points)
+        self._stale_grads = CutGrads(points, self._shared_ids)
+        self._residual = ResidualPaths()
         self._ddp_checked = False  # at a forward: the process group may start after the gate
         if distributed_running():
             from .distributed import require_find_unused_parameters
@@ -170,6 +174,8 @@ class _Cut(Handle):
             check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
+        if grad:
+            self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
         frame.training = self._set_prefix_mode() if blocking else []
@@ -235,7 +241,7 @@ class _Cut(Handle):
             frame.block_training[position] = self._set_prefix_mode(module)
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
-            torch.set_grad_enabled(False)
+            torch.set_grad_enabled(frame.skipped[position] and self._residual.trace(position, args))
         elif not learns and (
             position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
         ):  # a named module inside it may learn (and open the cut): the rest of it does not
@@ -259,8 +265,11 @@ class _Cut(Handle):
                 block_module.training = training
         replaced = None
         if position in frame.skipped:
+            traced = torch.is_grad_enabled()
             torch.set_grad_enabled(frame.skipped.pop(position))
-            replaced = pass_around(self._points[position][0], args, kwargs, output)
+            name = self._points[position][0]
+            output = self._residual.check(traced, position, name, args, kwargs, output)
+            replaced = pass_around(name, args, kwargs, output)
         elif frame.opened and not frame.checked and self._learns(position):
             frame.checked = True  # the first learner after the cut is where it would show
             frame.explained = check_block_output_learns(self._points[position][0], module, output)
@@ -373,9 +382,8 @@ class _Cut(Handle):
 
     # -- diagnostics ---------------------------------------------------------------------------
     def _warn_after_forward(self, frame: Frame, never_opened: bool, nothing_learns: bool) -> None:
-        if never_opened:
-            warn_never_opened()  # every time: it is about this step
-        if nothing_learns:
+        said = (never_opened or nothing_learns) and warn_learners_not_run(self, frame, never_opened)
+        if nothing_learns and not said:  # the first warns every time: it is about this step
             self._warn_once("nothing-learns", NOTHING_LEARNS)
         straddling = [uses for uses in frame.shared_uses.values() if len(uses) == 2]
         if straddling and "shared" not in self._warned:
@@ -437,4 +445,5 @@ class _Cut(Handle):
         self._release()
         self._hooks.remove()
         self._extra_hooks.remove()
+        self._stale_grads.remove()
         self._fsdp.restore()

@@ -1,7 +1,7 @@
 """Which parameters learn? Freezing by pattern, with norm layers and exact undo.
 
-A frozen parameter has ``requires_grad=False`` before the forward, so autograd computes no
-weight gradient for it (gradients still flow *through* its layer to earlier trainable layers).
+A frozen parameter has ``requires_grad=False`` before the forward: autograd computes no weight
+gradient for it (gradients still flow *through* its layer), and no optimizer step moves it.
 
 Handles compose as layers. Each :func:`freeze` or :func:`unfreeze` pushes one layer onto every
 parameter slot (a module and an attribute name) it touches; a slot's flag is the one set by its
@@ -10,8 +10,8 @@ handles may be undone in any order and a parameter is frozen exactly while the l
 handle touching it froze it. Slots are kept by module and name, not by tensor, so a parameter
 replaced while frozen (``load_state_dict(assign=True)``) is restored too.
 
-Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) carry the flags as they are at that moment
-and no gradgate state: no handle reaches the copy, and its norm layers follow ``train()`` again.
+Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) carry the flags as they are and no
+gradgate state: no handle reaches the copy, and its norm layers follow ``train()`` again.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from ._errors import AlreadyFrozenError, InvalidOptionError
 from ._handles import Handle
 from ._optimizer import add_group, held, remove_groups
 from ._select import Pattern, _match, check_module, check_patterns
+from ._stale_grads import FrozenGrads
+from ._tied import warn_tied_outside
 from ._validate import check_choice
 
 NormMode = Literal["keep", "eval"]
@@ -188,6 +190,7 @@ class _LayerHandle(Handle):
         self._slots: list[tuple[str, nn.Module, str]] = []
         self._changed: set[str] = set()  # names whose flag this handle changed when applied
         self._norms: list[nn.Module] = []
+        self._grads: FrozenGrads | None = None  # a freeze's guard against stale gradients
 
     def _hold(self, reported: str, locations: list[tuple[str, nn.Module, str]]) -> None:
         """Push this handle's flag onto every slot of one parameter, reported by its name.
@@ -211,6 +214,8 @@ class _LayerHandle(Handle):
             _pop_flag(self, module, name)
         for module in reversed(self._norms):
             _pop_norm(self, module)
+        if self._grads is not None:
+            self._grads.remove()
 
 
 class FreezeHandle(_LayerHandle):
@@ -265,10 +270,11 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
 
     Patterns are module or parameter names, globs or ranges (see :func:`gradgate.select`);
     ``'**'`` is the whole model and ``''`` is refused. What is frozen is the union of the
-    matches, so no pattern at all freezes nothing (a per-step freeze set may be empty).
+    matches; no pattern at all is refused (an empty slice such as ``slice(0, 0)`` is an explicit
+    empty set).
     Frozen parameters get ``requires_grad=False``, so backward gives them no new gradient;
-    a gradient they already hold (earlier micro-batches of an accumulation) is kept. Call
-    ``optimizer.zero_grad()`` (``set_to_none=True``, the default) so no optimizer moves them.
+    a non-zero gradient they hold (earlier micro-batches of an accumulation) reaches the next
+    optimizer step and is then dropped, an all-zero one is dropped now: no step moves them.
     ``norm="eval"`` also keeps BatchNorm / InstanceNorm layers in the frozen region in eval
     mode (no running-statistics updates), even across ``model.train()``, until undone.
 
@@ -285,7 +291,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     """
     check_module(model)
     check_choice("norm", norm, get_args(NormMode))
-    patterns = check_patterns("freeze", patterns, model=model, allow_none=True)
+    patterns = check_patterns("freeze", patterns, model=model)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     for name, param in params:
@@ -302,6 +308,8 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     if norm == "eval":
         for module in _norm_layers(model, modules, params):
             handle._hold_norm(module, locked=True)
+    handle._grads = FrozenGrads(param for _, param in params)
+    warn_tied_outside(model, patterns, params)
     return handle
 
 
@@ -344,7 +352,7 @@ def unfreeze(
             f"optimizer={optimizer!r:.60} has type {type(optimizer).__name__}; expected a "
             "torch.optim.Optimizer (the one training this model) or None."
         )
-    patterns = check_patterns("unfreeze", patterns, model=model, allow_none=True)
+    patterns = check_patterns("unfreeze", patterns, model=model)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))

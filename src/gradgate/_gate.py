@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from ._block_calls import require_a_forward
 from ._cut import PrefixMode, _Cut
@@ -44,6 +44,8 @@ class BackpropGate(_Cut):
     ) -> None:
         check_module(model)
         require_a_forward(model)  # before looking for blocks: a ModuleList is the usual slip
+        if depth is None:
+            _refuse_depth_as_blocks(blocks)
         points = resolve_blocks(model, blocks)
         depth = _validate_depth(depth, len(points), type(model).__name__)
         if not isinstance(check_ranks, bool):
@@ -96,9 +98,15 @@ class BackpropGate(_Cut):
         return self._skip
 
     @skip.setter
-    def skip(self, value: Iterable[int] | None) -> None:
+    def skip(self, value: Iterable[int] | int | None) -> None:
         self._require_active()
-        self._skip = frozenset(self._positions(value or (), option="skip"))
+        one = hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim())
+        try:  # one position, as learn takes it, or a set of them
+            items = [value] if one else [] if value is None else list(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.") from None
+        positions = self._positions(items, option="skip")
+        self._skip = frozenset(positions)
         self._first = None
         self._apply_to_fsdp()
 
@@ -138,7 +146,12 @@ class BackpropGate(_Cut):
                     f"{option} contains {value!r} ({type(value).__name__}); expected block "
                     f"positions 0..{n - 1}" + (" or module names." if option == "learn" else ".")
                 )
-            index = operator.index(value)  # type: ignore[arg-type]
+            try:
+                index = operator.index(value)  # type: ignore[arg-type]
+            except TypeError:  # a float or multi-element tensor
+                raise InvalidDepthError(
+                    f"{option} contains {value!r}; expected integer block positions 0..{n - 1}."
+                ) from None
             if not -n <= index < n:
                 raise InvalidDepthError(
                     f"{option} contains block position {index}, out of range: "
@@ -229,10 +242,29 @@ def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
             f"depth {depth!r} has type {type(depth).__name__}; expected an integer 0..{n} "
             "or None (no cut)."
         )
-    value = operator.index(depth)  # type: ignore[arg-type]
+    try:
+        value = operator.index(depth)  # type: ignore[arg-type]
+    except TypeError:  # a float or multi-element tensor
+        raise InvalidDepthError(
+            f"depth {depth!r} is not one integer; expected an integer 0..{n} or None (no cut)."
+        ) from None
     if not 0 <= value <= n:
         raise InvalidDepthError(
             f"depth {value} is out of range: {model_name} has {n} blocks; expected an integer "
             f"0..{n} (0: only what runs after the last block learns) or None (no cut)."
         )
     return value
+
+
+def _refuse_depth_as_blocks(blocks: object) -> None:
+    """``BackpropGate(model, 2)`` means depth 2 far more often than a gate over block 2 alone."""
+    if isinstance(blocks, (bool, str)) or not hasattr(blocks, "__index__"):
+        return
+    if isinstance(blocks, Tensor) and blocks.dim():
+        return
+    raise InvalidDepthError(
+        f"blocks={blocks!r} makes a gate over that one block with no cut; did you mean "
+        f"depth={blocks!r}? The second positional argument is blocks: write "
+        f"gg.BackpropGate(model, depth={blocks!r}), or blocks=[{blocks!r}] if a gate over that "
+        "one block is what you expected."
+    )

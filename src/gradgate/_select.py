@@ -26,6 +26,7 @@ from ._errors import (
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")
 _GLOB_CHARS = set("*?[")
+_ROOT_BLOCK = " matches the model itself, not a block inside it; expected e.g. blocks='*'."
 
 
 def blocks(model: nn.Module) -> list[str]:
@@ -141,14 +142,13 @@ def resolve_blocks(
     spec = check_patterns(
         "blocks=", (spec,) if isinstance(spec, (str, int, slice)) else tuple(spec), model=model
     )
-    found: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
+    found: dict[int, tuple[str, nn.Module]] = {}
     for pattern in spec:
         for name, module in resolve_modules(model, [pattern]):
-            if id(module) not in seen:
-                seen.add(id(module))
-                found.append((name, module))
-    return found
+            if module is model:
+                raise UnknownModuleError(f"blocks={spec!r:.80}: {pattern!r}{_ROOT_BLOCK}")
+            found.setdefault(id(module), (name, module))
+    return list(found.values())
 
 
 def find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import GradgateError
+from .._errors import InvalidOptionError
 from .records import COLUMNS, HEADERS, ModuleRecord, WastedGradient, as_dict, cells, totals_of
 
 SCHEMA = "gradgate.audit/1"
@@ -188,22 +188,36 @@ def dumps(figures: Figures) -> str:
 
 
 def loads(text: str) -> Figures:
-    """Figures from :func:`dumps` output; checks the schema name."""
-    document: Any = json.loads(text)
+    """Figures from :func:`dumps` output; checks the schema name and the fields."""
+    expected = "expected the text that report.to_json() wrote"
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise InvalidOptionError(f"AuditReport.from_json got {type(text).__name__}; {expected}.")
+    try:
+        document: Any = json.loads(text)
+    except ValueError as error:
+        raise InvalidOptionError(
+            f"AuditReport.from_json got text that is not JSON ({error}: {text[:40]!r}); {expected}."
+        ) from None
     schema = document.get("schema") if isinstance(document, dict) else None
     if schema != SCHEMA:
-        raise GradgateError(
+        raise InvalidOptionError(
             f"audit JSON has schema {schema!r}; expected {SCHEMA!r}. Write it with "
             "report.to_json() from this version of gradgate."
         )
-    return Figures(
-        [ModuleRecord(**m) for m in document["modules"]],
-        ModuleRecord(**document["outside"]),
-        [WastedGradient(**w) for w in document["wasted"]],
-        forward_seen=bool(document["forward_seen"]),
-        backward_seen=bool(document.get("backward_seen", True)),
-        uncounted_ops=list(document.get("uncounted_ops", [])),
-    )
+    try:
+        return Figures(
+            [ModuleRecord(**m) for m in document["modules"]],
+            ModuleRecord(**document["outside"]),
+            [WastedGradient(**w) for w in document["wasted"]],
+            forward_seen=bool(document["forward_seen"]),
+            backward_seen=bool(document.get("backward_seen", True)),
+            uncounted_ops=list(document.get("uncounted_ops", [])),
+        )
+    except (KeyError, TypeError) as error:
+        raise InvalidOptionError(
+            f"audit JSON of schema {SCHEMA!r} lacks or garbles a field ({error!r}); {expected}, "
+            "unedited."
+        ) from None
 
 
 __all__ = [

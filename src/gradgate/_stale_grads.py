@@ -1,0 +1,134 @@
+"""No optimizer step moves a parameter gradgate keeps from learning.
+
+``optimizer.zero_grad(set_to_none=False)`` leaves a zero ``.grad`` on a parameter that then
+gets no gradient (frozen, or in a block cut off by a gate): momentum and weight decay still
+move it. Gradients are kept where they carry something the step should apply (earlier
+micro-batches of the same step); what carries nothing, or was already applied, is dropped
+(``.grad = None``) by global optimizer step hooks, only for the parameters the stepping
+optimizer holds. The hooks cost one pass over the guarded parameters per step, nothing per
+forward or per block.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+
+def drop_zero_grads(params: Iterable[torch.Tensor]) -> None:
+    """``.grad = None`` where the gradient is all zero (one host sync for all of them)."""
+    held = [p for p in params if p.grad is not None]
+    if not held:
+        return
+    nonzero = torch.stack([p.grad.any().cpu() for p in held]).tolist()  # type: ignore[union-attr]
+    for param, carries in zip(held, nonzero, strict=True):
+        if not carries:
+            param.grad = None
+
+
+def _held_by(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+class FrozenGrads:
+    """For parameters frozen by one handle: before a step, an all-zero ``.grad`` is dropped
+    (zeroed in place after the freeze); after it, the ``.grad`` it applied is dropped, so a
+    later ``zero_grad(set_to_none=False)`` has nothing left to zero."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._params = [weakref.ref(p) for p in params]
+        drop_zero_grads(self._frozen())
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+
+    def _frozen(self, optimizer: torch.optim.Optimizer | None = None) -> list[nn.Parameter]:
+        params = [p for ref in self._params if (p := ref()) is not None]
+        found = [p for p in params if p.grad is not None and not p.requires_grad]
+        if found and optimizer is not None:
+            held = _held_by(optimizer)
+            found = [p for p in found if id(p) in held]
+        return found
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        drop_zero_grads(self._frozen(optimizer))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        for param in self._frozen(optimizer):
+            param.grad = None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class CutGrads:
+    """For a gate's blocks: before a step, the ``.grad`` of blocks that learned in no forward
+    since the last step is dropped (it is left over from before that step, zeroed or not).
+
+    ``saw(learn, skip, keep)`` is called once per root forward that records a graph, with the
+    plan it ran: learning positions (``None``: all), skipped positions, and the ids of the
+    parameters of named learning modules.
+    """
+
+    def __init__(self, points: list[tuple[str, nn.Module]], shared: frozenset[int]) -> None:
+        self._blocks = [module for _, module in points]
+        self._shared = shared  # tied parameters also used outside the blocks
+        self._plans: list[tuple[Any, ...]] = []
+        self._stepped = False
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+
+    def saw(self, *plan: Any) -> None:
+        if self._stepped:
+            self._plans, self._stepped = [], False
+        last = self._plans[-1] if self._plans else None
+        if last is None or any(a is not b for a, b in zip(last, plan, strict=True)):
+            self._plans.append(plan)
+
+    def _not_learned(self) -> list[nn.Parameter]:
+        learned: set[int] = set()
+        keep: set[int] = set(self._shared)
+        for learn, skip, extra in self._plans:
+            if learn is None:
+                return []
+            learned.update(p for p in learn if p not in skip)
+            keep.update(extra)
+        keep.update(id(p) for i in learned for p in self._blocks[i].parameters())
+        return [
+            param
+            for i, block in enumerate(self._blocks)
+            if i not in learned
+            for param in block.parameters()
+            if id(param) not in keep
+        ]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        if not self._plans:
+            return
+        stale = [p for p in self._not_learned() if p.grad is not None]
+        if stale:
+            held = _held_by(optimizer)
+            for param in stale:
+                if id(param) in held:
+                    param.grad = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        self._stepped = True  # the next forward starts the next step's plans
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
