@@ -234,6 +234,7 @@ class _Cut(Handle):
             frame.block_training[position] = self._set_prefix_mode(module)
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
+            frame.skipped_args[position] = args
             torch.set_grad_enabled(False)
         elif not learns and (
             position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
@@ -259,6 +260,7 @@ class _Cut(Handle):
         replaced = None
         if position in frame.skipped:
             torch.set_grad_enabled(frame.skipped.pop(position))
+            args = frame.skipped_args.pop(position, args)
             replaced = pass_around(self._points[position][0], args, kwargs, output)
         elif frame.opened and not frame.checked and self._learns(position):
             frame.checked = True  # the first learner after the cut is where it would show

@@ -1,0 +1,333 @@
+"""DeepSpeed ZeRO with a plan that changes every step: only what learned is stepped.
+
+A plain torch optimizer leaves a parameter whose ``.grad`` is ``None`` alone. DeepSpeed's ZeRO
+optimizers do not: they reduce every gradient into one flat partition per rank (zeros where a
+parameter got none) and step that flat tensor whole, so a block that a gradgate plan cut,
+froze or skipped still moves (weight decay, momentum) and its Adam step count advances.
+:func:`step_learners_only` makes the step exact::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(...), config=cfg)
+    gate = gg.BackpropGate(engine.module)
+    handle = gg.integrations.deepspeed.step_learners_only(engine)
+    for step, batch in enumerate(loader):
+        schedule.apply(gate, step)
+        engine.backward(loss_fn(engine(batch)))
+        engine.step()
+
+Each parameter's stretch of the flat partition is handed to the torch optimizer as a tensor of
+its own (a view: no copy), with its stretch of the flat gradient when the parameter got a
+gradient on any rank since the last step, else with ``.grad = None``. So each stretch has its
+own optimizer state and step count, as in plain torch, and state exists only for parameters
+that learned at least once. This module imports deepspeed only when it is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._errors import InvalidOptionError
+from .._handles import Handle
+
+__all__ = ["LearnersOnly", "step_learners_only"]
+
+_ATTRIBUTE = "_gradgate_learners_only"
+_WORKS = "ZeRO stage 1, 2 or 3 with a torch optimizer and no optimizer offload"
+
+
+class Segment:
+    """One parameter's stretch of a flat fp32 partition, stepped as a tensor of its own."""
+
+    __slots__ = ("index", "numel", "start", "tensor")
+
+    def __init__(self, index: int, start: int, numel: int, flat: torch.Tensor) -> None:
+        self.index = index  # position of the parameter in LearnersOnly.params
+        self.start = start
+        self.numel = numel
+        self.tensor = flat.detach().narrow(0, start, numel)
+
+    def point_at(self, flat: torch.Tensor) -> torch.Tensor:
+        """The stretch, re-pointed at the flat tensor's current storage."""
+        self.tensor.data = flat.detach().narrow(0, self.start, self.numel)
+        return self.tensor
+
+
+def step_learners_only(engine: Any) -> LearnersOnly:
+    """Make ``engine.step()`` step only the parameters that got a gradient, as plain torch does.
+
+    ``engine`` is what ``deepspeed.initialize`` returned first (or its optimizer, or the
+    Hugging Face / accelerate wrapper around that optimizer). Works with ZeRO stages 1, 2 and
+    3 and with stage 0 in fp32, with any plan (``gate.depth``, ``gate.learn``, ``gate.skip``,
+    every schedule), gradient accumulation (a parameter that got a gradient in any
+    micro-batch of the step is stepped) and gradient clipping. Ranks agree on what learned
+    with one all-reduce of a byte per parameter at each step. Set-ups where this cannot be
+    exact raise :class:`~gradgate.InvalidOptionError` naming the option that works.
+    ``handle.remove()`` gives DeepSpeed back its own step, with the state gathered back into
+    its flat tensors.
+    """
+    return LearnersOnly(engine)
+
+
+class LearnersOnly(Handle):
+    """The handle of :func:`step_learners_only`; ``remove()`` restores DeepSpeed's step."""
+
+    def __init__(self, engine: Any) -> None:
+        outer = _deepspeed_optimizer(engine)
+        if getattr(outer, _ATTRIBUTE, None) is not None:
+            raise InvalidOptionError(
+                f"step_learners_only({engine!r:.60}) is already active on this optimizer; "
+                "expected one handle per DeepSpeed optimizer: keep the first handle."
+            )
+        self.kind, self.base = _kind(outer)
+        self.outer = outer
+        self.params = _params(outer, self.kind, self.base)
+        self.flats, self.segments = _segments(outer, self.kind, self.params)
+        self.steps = 0
+        self.stepped: list[int] = []  # positions in params stepped by the last step
+        self._got = torch.zeros(len(self.params), dtype=torch.uint8)
+        self._agreed: torch.Tensor | None = None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._noter(i))
+            for i, p in enumerate(self.params)
+            if p.requires_grad
+        ]
+        self._patch(outer, "step", self._outer_step)
+        if self.kind != "plain":
+            self._patch(self.base, "step", self._base_step)
+        setattr(outer, _ATTRIBUTE, self)
+        super().__init__(self._restore, description=f"step_learners_only ({self.kind})")
+
+    # -- what learned -------------------------------------------------------------------------
+    def _noter(self, index: int) -> Callable[[torch.Tensor], None]:
+        def note(_: torch.Tensor) -> None:
+            self._got[index] = 1
+
+        return note
+
+    def _learned(self) -> torch.Tensor:
+        """Per parameter, 1 if it got a gradient on any rank since the last step."""
+        if self._agreed is None:
+            flags = self._got.clone()
+            group = getattr(self.outer, "dp_process_group", None)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                device = _device(self.params)
+                moved = flags.to(device)
+                dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=group)
+                flags = moved.cpu()
+            self._agreed = flags
+            self.stepped = [i for i, flag in enumerate(flags.tolist()) if flag]
+        return self._agreed
+
+    # -- the steps ------------------------------------------------------------------------------
+    def _outer_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.kind == "plain":
+            learned = self._learned()
+            for index, param in enumerate(self.params):
+                if not learned[index]:
+                    param.grad = None  # DeepSpeed filled it with zeros
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._got.zero_()
+            self._agreed = None
+            self.steps += 1
+            if self.kind == "zero3":
+                _clear_zero3_gradients(self.outer)
+
+    def _base_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        learned = self._learned()
+        swapped = []
+        for group in self.base.param_groups:
+            flats = group["params"]
+            pieces: list[torch.Tensor] = []
+            for flat in flats:
+                segments = self.segments.get(id(flat))
+                if segments is None:
+                    pieces.append(flat)
+                    continue
+                for segment in segments:
+                    piece = segment.point_at(flat)
+                    if flat.grad is not None and learned[segment.index]:
+                        piece.grad = flat.grad.detach().narrow(0, segment.start, segment.numel)
+                    pieces.append(piece)
+            swapped.append((group, flats))
+            group["params"] = pieces
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for group, flats in swapped:
+                group["params"] = flats
+            for segments in self.segments.values():
+                for segment in segments:
+                    segment.tensor.grad = None
+
+    # -- install and undo -----------------------------------------------------------------------
+    def _patch(self, target: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        original = getattr(target, name)
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(original, *args, **kwargs)
+
+        setattr(target, name, patched)
+
+    def _restore(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for target in (self.outer, self.base):
+            if "step" in vars(target):
+                delattr(target, "step")
+        delattr(self.outer, _ATTRIBUTE)
+        if self.kind != "plain":
+            _gather_state(self.base, self.flats, self.segments)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return (
+            f"<gradgate.integrations.deepspeed.LearnersOnly {self.kind}, {len(self.params)} "
+            f"parameters, {self.steps} steps ({state})>"
+        )
+
+
+# -- what DeepSpeed built -------------------------------------------------------------------------
+def _deepspeed_optimizer(engine: Any) -> Any:
+    """The DeepSpeed optimizer behind an engine, an accelerate wrapper, or itself."""
+    found = getattr(engine, "optimizer", engine)
+    if type(found).__name__ == "DeepSpeedOptimizerWrapper":  # accelerate / HF Trainer
+        found = found.optimizer
+    if found is None or not type(found).__module__.startswith(("deepspeed", "torch.optim")):
+        raise InvalidOptionError(
+            f"engine={engine!r:.80}; expected what deepspeed.initialize returned (the engine or "
+            "its optimizer), built with an optimizer: pass optimizer=torch.optim.AdamW(...) or "
+            "an \"optimizer\" section in the config."
+        )
+    return found
+
+
+def _kind(outer: Any) -> tuple[str, torch.optim.Optimizer]:
+    """``"zero12"``, ``"zero3"`` or ``"plain"``, and the torch optimizer that steps."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(outer, DeepSpeedZeroOptimizer):
+        stage = 2 if outer.partition_gradients else 1
+        _refuse(outer.cpu_offload, stage, "offload_optimizer (its CPU step is not split)")
+        kind = "zero12"
+    elif isinstance(outer, DeepSpeedZeroOptimizer_Stage3):
+        stage = 3
+        _refuse(outer.offload_optimizer, stage, "offload_optimizer (its CPU step is not split)")
+        kind = "zero3"
+    elif isinstance(outer, torch.optim.Optimizer):
+        return "plain", outer
+    else:
+        raise InvalidOptionError(
+            f"{type(outer).__name__} (ZeRO stage 0 with fp16 or bf16) steps one flat fp32 copy "
+            f"that gradgate cannot split; expected {_WORKS}: set zero_optimization.stage to 1."
+        )
+    _refuse(bool(getattr(outer, "zenflow", False)), stage, "zenflow")
+    _refuse(bool(getattr(outer, "use_muon", False)), stage, "Muon (not element-wise)")
+    base = outer.optimizer
+    _refuse(isinstance(base, torch.optim.Adagrad), stage, "Adagrad (state made eagerly)")
+    if not isinstance(base, torch.optim.Optimizer):
+        raise InvalidOptionError(
+            f"the optimizer {type(base).__name__} under ZeRO stage {stage} is no "
+            f"torch.optim.Optimizer; expected {_WORKS}."
+        )
+    return kind, base
+
+
+def _refuse(present: bool, stage: int, what: str) -> None:
+    if present:
+        raise InvalidOptionError(
+            f"ZeRO stage {stage} with {what} cannot step only the parameters that learn; "
+            f"expected {_WORKS}: turn it off in the DeepSpeed config."
+        )
+
+
+def _params(outer: Any, kind: str, base: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The parameters DeepSpeed steps, in one order on every rank."""
+    if kind == "zero12":
+        groups = outer.bit16_groups
+    elif kind == "zero3":
+        groups = outer.fp16_groups
+    else:
+        groups = [group["params"] for group in base.param_groups]
+    return [param for group in groups for param in group]
+
+
+def _segments(
+    outer: Any, kind: str, params: list[nn.Parameter]
+) -> tuple[dict[int, torch.Tensor], dict[int, list[Segment]]]:
+    """The flat fp32 partitions and, per flat (by id), each parameter's stretch of it."""
+    index = {id(param): i for i, param in enumerate(params)}
+    found: dict[int, list[Segment]] = {}
+    flats: list[torch.Tensor] = []
+    if kind == "zero12":
+        flats = list(outer.single_partition_of_fp32_groups)
+        for flat, group in zip(flats, outer.bit16_groups, strict=True):
+            segments = []
+            for param in group:
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:  # None: the parameter lies on other ranks
+                    where = mapping.hp_fragment_address
+                    segments.append(Segment(index[id(param)], where.start, where.numel, flat))
+            found[id(flat)] = segments
+    elif kind == "zero3":
+        flats = list(outer.fp32_partitioned_groups_flat)
+        for flat, group in zip(flats, outer.fp16_groups, strict=True):
+            segments, start = [], 0
+            for param in group:
+                numel = int(param.partition_numel())
+                segments.append(Segment(index[id(param)], start, numel, flat))
+                start += numel
+            found[id(flat)] = segments
+    return {id(flat): flat for flat in flats}, found
+
+
+def _clear_zero3_gradients(outer: Any) -> None:
+    """Zero ZeRO-3's gradient partitions after a step.
+
+    ZeRO-3 copies a parameter's gradient into its partition at the first micro-batch of an
+    accumulation window and adds to it at the others, without clearing in between: a
+    parameter whose first gradient of a window comes at a later micro-batch gets the last
+    window's added, and one that gets none keeps the last window's (in the norm that
+    gradient clipping uses).
+    """
+    buffer = getattr(outer, "grad_partitions_flat_buffer", None)
+    if isinstance(buffer, torch.Tensor):
+        buffer.zero_()
+
+
+def _device(params: list[nn.Parameter]) -> torch.device:
+    backend = dist.get_backend()
+    return torch.device("cpu") if backend == "gloo" or not params else params[0].device
+
+
+def _gather_state(
+    base: torch.optim.Optimizer,
+    flats: dict[int, torch.Tensor],
+    segments: dict[int, list[Segment]],
+) -> None:
+    """Put the stretches' optimizer state back into flat tensors, for DeepSpeed's own step.
+
+    Element-wise state is copied into place (zeros where a stretch never learned); a
+    scalar such as Adam's step count takes the largest value, the count DeepSpeed's flat
+    step would have had for the stretches that learned most.
+    """
+    for flat_id, pieces in segments.items():
+        states = [(s, base.state.pop(s.tensor)) for s in pieces if s.tensor in base.state]
+        flat = flats.get(flat_id)
+        if flat is None or not states:
+            continue
+        merged: dict[str, Any] = {}
+        for segment, state in states:
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == segment.tensor.shape:
+                    target = merged.setdefault(key, torch.zeros_like(flat, dtype=value.dtype))
+                    target.narrow(0, segment.start, segment.numel).copy_(value)
+                elif key not in merged or (torch.is_tensor(value) and value > merged[key]):
+                    merged[key] = value
+        base.state[flat] = merged

@@ -1,0 +1,342 @@
+"""DeepSpeed ZeRO 0-3 with a plan that changes every step, on 1 and 2 gloo processes (CPU).
+
+Each spawned job runs every scenario in turn (starting processes costs seconds) and records
+"ok" or the failure's traceback; the tests read that record. The reference is plain torch in
+one process: the same model and plans, the loss averaged over the ranks' batches (as ZeRO
+averages gradients), ``torch.optim.AdamW`` stepping only what has a gradient (non-learners
+keep ``.grad = None``). DeepSpeed keeps float32 master copies whatever the model's dtype, so
+both run in float32 and agree to float32 rounding; a parameter that did not learn in a step
+must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gradgate as gg
+from gradgate.schedules import Plan
+
+pytestmark = pytest.mark.slow
+
+deepspeed_test = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install gradgate[deepspeed])",
+)
+
+TIMEOUT = timedelta(seconds=60)  # a rank that never arrives fails the job instead of hanging
+N, WIDTH, BATCH = 5, 6, 3
+BLOCKS = [str(i) for i in range(1, N + 1)]  # 0 is the embedding, N + 1 the head
+LR, DECAY = 0.05, 0.1
+# float32 rounding (DeepSpeed averages and flattens in another order)
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+PLANS = [  # one per micro-batch; every kind of plan and every schedule
+    Plan(depth=None),
+    Plan(depth=2),
+    Plan(learn=frozenset({0, 3})),
+    gg.schedules.LISA(N, k=2, every=1, seed=3).plan(3),
+    gg.schedules.DropBP(N, rate=0.5, seed=1).plan(4),
+    Plan(depth=0),
+    gg.schedules.RandomDepth(N, seed=2).plan(6),
+    Plan(learn=frozenset({1, "0"})),
+    gg.schedules.GradualUnfreeze(N, every=2).plan(2),
+    gg.schedules.FreezeOut(N, total_steps=12).plan(9),
+]
+
+
+class Residual(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.checkpointed = checkpointed
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return x + self.inner(x)
+
+
+def make_model(checkpointed: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [Residual(checkpointed) for _ in range(N)]
+    model = nn.Sequential(nn.Linear(3, WIDTH), *blocks, nn.Linear(WIDTH, 1))
+    return model
+
+
+def batch(rank: int, micro: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * micro + rank)
+    return torch.randn(BATCH, 3, generator=generator)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def reference(steps: int, gas: int, world: int, clip: float) -> tuple[nn.Module, Any, list]:
+    """Plain torch: (model, optimizer, per step the names of the parameters that learned)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    gate = gg.BackpropGate(model, blocks=BLOCKS)
+    learned = []
+    for step in range(steps):
+        for m in range(gas):
+            micro = step * gas + m
+            PLANS[micro % len(PLANS)].apply(gate)
+            loss = sum(loss_of(model, batch(r, micro)) for r in range(world)) / (world * gas)
+            loss.backward()
+        learned.append({n for n, p in model.named_parameters() if p.grad is not None})
+        if clip:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.grad is not None], clip
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    gate.remove()
+    return model, optimizer, learned
+
+
+# -- DeepSpeed side ---------------------------------------------------------------------------
+def engine_for(model: nn.Module, stage: int, gas: int, clip: float = 0.0) -> Any:
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+def full_state(handle: Any, engine: Any, stage: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state, put together from every rank's stretches."""
+    named = list(engine.module.named_parameters())
+    if stage == 0:
+        return {n: handle.base.state.get(p, {}) for n, p in named}
+    rank = dist.get_rank()
+    names = {id(p): n for n, p in named}
+    sizes = {n: int(p.ds_numel) if stage == 3 else p.numel() for n, p in named}
+    found = {
+        n: {
+            "exp_avg": torch.zeros(size, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros(size, dtype=torch.float32),
+            "step": torch.zeros(1, dtype=torch.float32),
+        }
+        for n, size in sizes.items()
+    }
+    for segments in handle.segments.values():
+        for segment in segments:
+            state = handle.base.state.get(segment.tensor)
+            if not state:
+                continue
+            param = handle.params[segment.index]
+            name = names[id(param)]
+            if stage == 3:
+                offset = rank * int(param.partition_numel())
+            else:
+                offset = param._hp_mapping.lp_fragment_address.start
+            count = min(segment.numel, sizes[name] - offset)
+            for key in ("exp_avg", "exp_avg_sq"):
+                found[name][key][offset : offset + count] = state[key][:count]
+            found[name]["step"][0] = float(state["step"])
+    for name in sorted(found):  # the same all-reduces in the same order on every rank
+        for key, value in found[name].items():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if key == "step" else dist.ReduceOp.SUM)
+    return found
+
+
+def compare_state(found: dict[str, Any], optimizer: Any, model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        want, got = optimizer.state.get(param, {}), found[name]
+        if not want:
+            assert not got or not float(got["step"]), f"{name}: state in DeepSpeed, none in torch"
+            continue
+        assert float(got["step"]) == float(want["step"]), (name, got["step"], want["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                got[key].reshape(-1), want[key].reshape(-1), **TOLERANCE, msg=name
+            )
+
+
+def run_exact(rank: int, stage: int, gas: int, checkpointed: bool, clip: float) -> None:
+    import gradgate.integrations.deepspeed as ggds
+
+    world = dist.get_world_size()
+    steps = 6 if gas == 1 else 3
+    expected_model, expected_optimizer, learned = reference(steps, gas, world, clip)
+    engine = engine_for(make_model(checkpointed), stage, gas, clip)
+    handle = ggds.step_learners_only(engine)
+    gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+    held: list[nn.Parameter] = []
+    for step in range(steps):
+        before = full_params(engine, stage)
+        for m in range(gas):
+            micro = step * gas + m
+            plan = PLANS[micro % len(PLANS)]
+            plan.apply(gate)
+            if checkpointed and gas == 1:  # non-reentrant recomputation needs the flags of
+                held = hold_frozen(engine.module, plan)  # the forward for the whole step
+            engine.backward(loss_of(engine, batch(rank, micro)))
+            release(held)
+            engine.step()
+        after = full_params(engine, stage)
+        for name, value in after.items():
+            if name not in learned[step]:
+                assert torch.equal(value, before[name]), f"step {step}: {name} moved"
+    got = full_params(engine, stage)
+    for name, param in expected_model.named_parameters():
+        torch.testing.assert_close(
+            got[name], param.detach(), **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    compare_state(full_state(handle, engine, stage), expected_optimizer, expected_model)
+    gate.remove()
+    handle.remove()
+
+
+def hold_frozen(model: nn.Module, plan: Plan) -> list[nn.Parameter]:
+    """Freeze the blocks that do not learn for the whole step (what GateCallback does)."""
+    learning = plan.learning(N)
+    held = []
+    for position, name in enumerate(BLOCKS):
+        if position not in learning:
+            for param in model.get_submodule(name).parameters():
+                param.requires_grad_(False)
+                held.append(param)
+    return held
+
+
+def release(held: list[nn.Parameter]) -> None:
+    for param in held:
+        param.requires_grad_(True)
+    held.clear()
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+def plain_deepspeed_moves_blocks_that_did_not_learn(rank: int, record: dict[str, Any]) -> None:
+    """Why the integration exists: without it ZeRO steps the zeros of the cut blocks."""
+    moved = {}
+    for stage in (1, 2, 3):
+        engine = engine_for(make_model(), stage, gas=1)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+        engine.backward(loss_of(engine, batch(rank, 0)))
+        engine.step()
+        gate.depth = 1
+        before = full_params(engine, stage)["1.linear.weight"]
+        engine.backward(loss_of(engine, batch(rank, 1)))
+        engine.step()
+        moved[stage] = float((full_params(engine, stage)["1.linear.weight"] - before).abs().max())
+        gate.remove()
+    record["moved"] = moved
+    assert all(value > 0 for value in moved.values()), moved
+
+
+def make_exact(stage: int, gas: int = 1, checkpointed: bool = False, clip: float = 0.0):
+    def scenario(rank: int, record: dict[str, Any]) -> None:
+        run_exact(rank, stage, gas, checkpointed, clip)
+
+    scenario.__name__ = f"stage{stage}_gas{gas}" + ("_checkpointed" if checkpointed else "") + (
+        "_clipped" if clip else ""
+    )
+    return scenario
+
+
+SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
+    plain_deepspeed_moves_blocks_that_did_not_learn,
+    *[make_exact(stage) for stage in (0, 1, 2, 3)],
+    *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
+    *[make_exact(stage, checkpointed=True) for stage in (2, 3)],
+    *[make_exact(stage, clip=0.05) for stage in (1, 2, 3)],
+]
+
+
+def run_rank(rank: int, world: int, port: int, out: str) -> None:
+    import logging
+    import warnings
+
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {}  # no op probing nor the CPU shm all-reduce build
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
+    results: dict[str, Any] = {}
+    for scenario in SCENARIOS:
+        record: dict[str, Any] = {}
+        start = time.perf_counter()
+        try:
+            scenario(rank, record)
+            record["outcome"] = "ok"
+        except (Exception, pytest.fail.Exception):
+            record["outcome"] = traceback.format_exc()
+        record["seconds"] = time.perf_counter() - start
+        results[scenario.__name__] = record
+        dist.barrier()
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list:
+    if __import__("importlib").util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install gradgate[deepspeed])")
+    world = request.param
+    out = tmp_path_factory.mktemp(f"ranks{world}")
+    mp.spawn(run_rank, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    loaded = [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+    if os.environ.get("GRADGATE_SHOW_DISTRIBUTED"):
+        print({k: (v["seconds"], v.get("moved")) for k, v in loaded[0].items()})
+    return loaded
+
+
+@pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
+def test_scenario(results: list[dict[str, Any]], scenario: str) -> None:
+    for rank, result in enumerate(results):
+        outcome = result[scenario]["outcome"]
+        assert outcome == "ok", f"rank {rank}:\n{outcome}"
