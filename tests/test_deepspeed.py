@@ -11,7 +11,7 @@ must be bit-identical.
 
 from __future__ import annotations
 
-import copy
+import importlib.util
 import os
 import socket
 import time
@@ -30,12 +30,8 @@ from torch import nn
 import gradgate as gg
 from gradgate.schedules import Plan
 
-pytestmark = pytest.mark.slow
-
-deepspeed_test = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed (pip install gradgate[deepspeed])",
-)
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NO_DEEPSPEED = "deepspeed is not installed (pip install gradgate[deepspeed])"
 
 TIMEOUT = timedelta(seconds=60)  # a rank that never arrives fails the job instead of hanging
 N, WIDTH, BATCH = 5, 6, 3
@@ -112,7 +108,14 @@ def reference(steps: int, gas: int, world: int, clip: float) -> tuple[nn.Module,
 
 
 # -- DeepSpeed side ---------------------------------------------------------------------------
-def engine_for(model: nn.Module, stage: int, gas: int, clip: float = 0.0) -> Any:
+def engine_for(
+    model: nn.Module,
+    stage: int,
+    gas: int,
+    clip: float = 0.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    **options: Any,
+) -> Any:
     import deepspeed
 
     config = {
@@ -122,8 +125,10 @@ def engine_for(model: nn.Module, stage: int, gas: int, clip: float = 0.0) -> Any
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": clip,
         "steps_per_print": 10**9,
+        **options,
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -260,18 +265,79 @@ def plain_deepspeed_moves_blocks_that_did_not_learn(rank: int, record: dict[str,
     assert all(value > 0 for value in moved.values()), moved
 
 
+def refuses_what_it_cannot_make_exact(rank: int, record: dict[str, Any]) -> None:
+    import gradgate.integrations.deepspeed as ggds
+
+    bf16 = engine_for(make_model(), 0, 1, bf16={"enabled": True})
+    with pytest.raises(gg.InvalidOptionError, match=r"ZeRO stage 0 with fp16 or bf16.*stage to 1"):
+        ggds.step_learners_only(bf16)
+    model = make_model()
+    adagrad = engine_for(model, 1, 1, optimizer=torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(gg.InvalidOptionError, match=r"ZeRO stage 1 with Adagrad"):
+        ggds.step_learners_only(adagrad)
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    offloaded = engine_for(
+        make_model(), 2, 1, zero_optimization=offload, zero_force_ds_cpu_optimizer=False
+    )
+    with pytest.raises(gg.InvalidOptionError, match=r"ZeRO stage 2 with offload_optimizer"):
+        ggds.step_learners_only(offloaded)
+    engine = engine_for(make_model(), 2, 1)
+    handle = ggds.step_learners_only(engine)
+    with pytest.raises(gg.InvalidOptionError, match="already active"):
+        ggds.step_learners_only(engine.optimizer)
+    with pytest.raises(gg.InvalidOptionError, match=r"what deepspeed\.initialize returned"):
+        ggds.step_learners_only(make_model())
+    handle.remove()
+    ggds.step_learners_only(engine).remove()  # a fresh handle once the first is removed
+
+
+def remove_gives_deepspeed_its_step_and_the_state_back(rank: int, record: dict[str, Any]) -> None:
+    import gradgate.integrations.deepspeed as ggds
+
+    for stage in (1, 3):
+        engine = engine_for(make_model(), stage, 1)
+        handle = ggds.step_learners_only(engine)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS, depth=1)
+        engine.backward(loss_of(engine, batch(rank, 0)))
+        engine.step()
+        pieces = {
+            segment.tensor: handle.base.state[segment.tensor]["exp_avg"].clone()
+            for segments in handle.segments.values()
+            for segment in segments
+            if segment.tensor in handle.base.state
+        }
+        assert pieces  # the last block and the head, where this rank holds them
+        handle.remove()
+        assert "step" not in vars(engine.optimizer) and "step" not in vars(handle.base)
+        for flat_id, segments in handle.segments.items():
+            flat_state = handle.base.state[handle.flats[flat_id]]
+            for segment in segments:
+                piece = flat_state["exp_avg"].narrow(0, segment.start, segment.numel)
+                want = pieces.get(segment.tensor, torch.zeros(segment.numel))
+                assert torch.equal(piece, want)
+        before = full_params(engine, stage)["1.linear.weight"]
+        engine.backward(loss_of(engine, batch(rank, 1)))
+        engine.step()  # DeepSpeed's own step again: the cut block moves (weight decay)
+        assert not torch.equal(full_params(engine, stage)["1.linear.weight"], before)
+        gate.remove()
+
+
 def make_exact(stage: int, gas: int = 1, checkpointed: bool = False, clip: float = 0.0):
     def scenario(rank: int, record: dict[str, Any]) -> None:
         run_exact(rank, stage, gas, checkpointed, clip)
 
-    scenario.__name__ = f"stage{stage}_gas{gas}" + ("_checkpointed" if checkpointed else "") + (
-        "_clipped" if clip else ""
+    scenario.__name__ = (
+        f"stage{stage}_gas{gas}"
+        + ("_checkpointed" if checkpointed else "")
+        + ("_clipped" if clip else "")
     )
     return scenario
 
 
 SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     plain_deepspeed_moves_blocks_that_did_not_learn,
+    refuses_what_it_cannot_make_exact,
+    remove_gives_deepspeed_its_step_and_the_state_back,
     *[make_exact(stage) for stage in (0, 1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     *[make_exact(stage, checkpointed=True) for stage in (2, 3)],
@@ -324,8 +390,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list:
-    if __import__("importlib").util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install gradgate[deepspeed])")
+    if not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
     world = request.param
     out = tmp_path_factory.mktemp(f"ranks{world}")
     mp.spawn(run_rank, args=(world, free_port(), str(out)), nprocs=world, join=True)
@@ -335,8 +401,42 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return loaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
 def test_scenario(results: list[dict[str, Any]], scenario: str) -> None:
     for rank, result in enumerate(results):
         outcome = result[scenario]["outcome"]
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
+
+
+def test_skipped_block_passes_around_arguments_a_later_hook_replaced() -> None:
+    """ZeRO-3 wraps each module's inputs in a forward pre-hook registered before the gate's,
+    which runs after it (the gate's is prepended), so under the skipped block's no-grad: the
+    gradient must pass around through the arguments the gate saw."""
+    model, reference = make_model(), make_model()
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: tuple(a * 1 for a in args))
+    x = batch(0, 0)
+    with gg.BackpropGate(model, blocks=BLOCKS) as gate:
+        gate.skip = {2}
+        loss_of(model, x).backward()
+    with gg.BackpropGate(reference, blocks=BLOCKS) as gate:
+        gate.skip = {2}
+        loss_of(reference, x).backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, msg=name)
+    assert model[1].linear.weight.grad is not None  # before the skipped block: it learns
+
+
+def test_importing_gradgate_integrations_does_not_import_deepspeed() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gradgate, gradgate.integrations.deepspeed as d; "
+        "print('deepspeed' in sys.modules, d.step_learners_only.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "step_learners_only"]

@@ -195,14 +195,16 @@ class LearnersOnly(Handle):
 # -- what DeepSpeed built -------------------------------------------------------------------------
 def _deepspeed_optimizer(engine: Any) -> Any:
     """The DeepSpeed optimizer behind an engine, an accelerate wrapper, or itself."""
-    found = getattr(engine, "optimizer", engine)
-    if type(found).__name__ == "DeepSpeedOptimizerWrapper":  # accelerate / HF Trainer
-        found = found.optimizer
-    if found is None or not type(found).__module__.startswith(("deepspeed", "torch.optim")):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    found = engine
+    if isinstance(found, DeepSpeedEngine) or type(found).__name__ == "DeepSpeedOptimizerWrapper":
+        found = found.optimizer  # the second: accelerate's, in the HF Trainer
+    if not type(found).__module__.startswith(("deepspeed.", "torch.optim")):
         raise InvalidOptionError(
             f"engine={engine!r:.80}; expected what deepspeed.initialize returned (the engine or "
             "its optimizer), built with an optimizer: pass optimizer=torch.optim.AdamW(...) or "
-            "an \"optimizer\" section in the config."
+            'an "optimizer" section in the config.'
         )
     return found
 
