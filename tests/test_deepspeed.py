@@ -306,11 +306,16 @@ def remove_gives_deepspeed_its_step_and_the_state_back(rank: int, record: dict[s
             for segment in segments
             if segment.tensor in handle.base.state
         }
-        assert pieces  # the last block and the head, where this rank holds them
+        count = torch.tensor([len(pieces)])
+        dist.all_reduce(count)  # the last block and the head, on whichever ranks hold them
+        assert int(count) > 0
         handle.remove()
         assert "step" not in vars(engine.optimizer) and "step" not in vars(handle.base)
         for flat_id, segments in handle.segments.items():
-            flat_state = handle.base.state[handle.flats[flat_id]]
+            flat_state = handle.base.state.get(handle.flats[flat_id], {})
+            if not any(segment.tensor in pieces for segment in segments):
+                assert "exp_avg" not in flat_state  # nothing learned here: made at first step
+                continue
             for segment in segments:
                 piece = flat_state["exp_avg"].narrow(0, segment.start, segment.numel)
                 want = pieces.get(segment.tensor, torch.zeros(segment.numel))
@@ -320,6 +325,69 @@ def remove_gives_deepspeed_its_step_and_the_state_back(rank: int, record: dict[s
         engine.step()  # DeepSpeed's own step again: the cut block moves (weight decay)
         assert not torch.equal(full_params(engine, stage)["1.linear.weight"], before)
         gate.remove()
+
+
+def hf_trainer_with_deepspeed_steps_only_learners(rank: int, record: dict[str, Any]) -> None:
+    """GateCallback under TrainingArguments(deepspeed=...): a block moves in a step exactly
+    when the plan says it learns (plain ZeRO moves them all: weight decay, momentum)."""
+    if dist.get_world_size() > 1:
+        return  # one process is enough for the hook-up; the 2-rank exactness is above
+    import transformers
+    from models import tiny_gpt2, trainer_args
+
+    from gradgate.integrations.transformers import GateCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    class Moved(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+            self.before = [[p.detach().clone() for p in b.parameters()] for b in blocks]
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            moved.append(
+                {
+                    i
+                    for i, (block, before) in enumerate(zip(blocks, self.before, strict=True))
+                    if not all(map(torch.equal, block.parameters(), before))
+                }
+            )
+            plans.append(callback.plan.learning(4))
+
+    model = tiny_gpt2(4)
+    blocks = [model.get_submodule(name) for name in gg.blocks(model)]
+    moved: list[set[int]] = []
+    plans: list[frozenset[int]] = []
+    callback = GateCallback(gg.schedules.LISA(4, k=1, every=1, seed=0))
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
+    args = trainer_args(
+        Path(os.environ["GRADGATE_TEST_OUT"]) / "hf",
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        deepspeed=config,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[callback, Moved()]
+    )
+    trainer.train()
+    assert moved == [set(plan) for plan in plans] and len(set(map(frozenset, moved))) > 1
+    assert callback._deepspeed is None  # removed when training ended
+    record["moved"] = moved
 
 
 def make_exact(stage: int, gas: int = 1, checkpointed: bool = False, clip: float = 0.0):
@@ -338,6 +406,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     plain_deepspeed_moves_blocks_that_did_not_learn,
     refuses_what_it_cannot_make_exact,
     remove_gives_deepspeed_its_step_and_the_state_back,
+    hf_trainer_with_deepspeed_steps_only_learners,
     *[make_exact(stage) for stage in (0, 1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     *[make_exact(stage, checkpointed=True) for stage in (2, 3)],
@@ -356,6 +425,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
         WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        GRADGATE_TEST_OUT=out,
     )
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives
     torch.set_num_threads(1)
@@ -368,6 +438,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     results: dict[str, Any] = {}
     for scenario in SCENARIOS:
+        if os.environ.get("GRADGATE_SHOW_DISTRIBUTED"):
+            print(f"rank {rank}: {scenario.__name__}", flush=True)
         record: dict[str, Any] = {}
         start = time.perf_counter()
         try:
@@ -375,6 +447,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             record["outcome"] = "ok"
         except (Exception, pytest.fail.Exception):
             record["outcome"] = traceback.format_exc()
+            if os.environ.get("GRADGATE_SHOW_DISTRIBUTED"):
+                print(f"rank {rank}: {record['outcome']}", flush=True)
         record["seconds"] = time.perf_counter() - start
         results[scenario.__name__] = record
         dist.barrier()

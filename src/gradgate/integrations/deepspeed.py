@@ -33,7 +33,7 @@ from torch import nn
 from .._errors import InvalidOptionError
 from .._handles import Handle
 
-__all__ = ["LearnersOnly", "step_learners_only"]
+__all__ = ["LearnersOnly", "step_learners_only", "step_learners_only_if_deepspeed"]
 
 _ATTRIBUTE = "_gradgate_learners_only"
 _WORKS = "ZeRO stage 1, 2 or 3 with a torch optimizer and no optimizer offload"
@@ -70,6 +70,14 @@ def step_learners_only(engine: Any) -> LearnersOnly:
     its flat tensors.
     """
     return LearnersOnly(engine)
+
+
+def step_learners_only_if_deepspeed(optimizer: Any) -> LearnersOnly | None:
+    """:func:`step_learners_only` for the HF Trainer's optimizer when it runs DeepSpeed, else
+    ``None`` (what ``GateCallback`` calls when training begins)."""
+    if type(optimizer).__name__ != "DeepSpeedOptimizerWrapper":
+        return None
+    return LearnersOnly(optimizer)
 
 
 class LearnersOnly(Handle):
