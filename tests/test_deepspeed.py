@@ -327,6 +327,40 @@ def remove_gives_deepspeed_its_step_and_the_state_back(rank: int, record: dict[s
         gate.remove()
 
 
+def checkpoint_keeps_each_stretch_state(rank: int, record: dict[str, Any]) -> None:
+    """save_checkpoint / load_checkpoint with the handle active: the run goes on identically."""
+    import gradgate.integrations.deepspeed as ggds
+
+    folder = str(Path(os.environ["GRADGATE_TEST_OUT"]) / "checkpoints")
+
+    def run(engine: Any, micros: range) -> None:
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+        for micro in micros:
+            PLANS[micro % len(PLANS)].apply(gate)
+            engine.backward(loss_of(engine, batch(rank, micro)))
+            engine.step()
+        gate.remove()
+
+    for stage in (2, 3):
+        engine = engine_for(make_model(), stage, 1)
+        handle = ggds.step_learners_only(engine)
+        run(engine, range(4))
+        engine.save_checkpoint(folder, tag=f"stage{stage}")
+        run(engine, range(4, 8))
+        want, want_state = full_params(engine, stage), full_state(handle, engine, stage)
+        handle.remove()
+        resumed = engine_for(make_model(), stage, 1)
+        handle = ggds.step_learners_only(resumed)
+        resumed.load_checkpoint(folder, tag=f"stage{stage}")
+        run(resumed, range(4, 8))
+        got, got_state = full_params(resumed, stage), full_state(handle, resumed, stage)
+        handle.remove()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (stage, name)
+            for key, tensor in want_state[name].items():
+                assert torch.equal(got_state[name][key], tensor), (stage, name, key)
+
+
 def hf_trainer_with_deepspeed_steps_only_learners(rank: int, record: dict[str, Any]) -> None:
     """GateCallback under TrainingArguments(deepspeed=...): a block moves in a step exactly
     when the plan says it learns (plain ZeRO moves them all: weight decay, momentum)."""
@@ -406,6 +440,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     plain_deepspeed_moves_blocks_that_did_not_learn,
     refuses_what_it_cannot_make_exact,
     remove_gives_deepspeed_its_step_and_the_state_back,
+    checkpoint_keeps_each_stretch_state,
     hf_trainer_with_deepspeed_steps_only_learners,
     *[make_exact(stage) for stage in (0, 1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],

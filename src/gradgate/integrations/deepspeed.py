@@ -106,6 +106,10 @@ class LearnersOnly(Handle):
         self._patch(outer, "step", self._outer_step)
         if self.kind != "plain":
             self._patch(self.base, "step", self._base_step)
+            self._patch(self.base, "state_dict", self._base_state)
+            self._patch(self.base, "load_state_dict", self._base_state)
+        if self.kind != "plain":
+            _split_state(self.base, self.flats, self.segments)
         setattr(outer, _ATTRIBUTE, self)
         super().__init__(self._restore, description=f"step_learners_only ({self.kind})")
 
@@ -147,7 +151,23 @@ class LearnersOnly(Handle):
                 _clear_zero3_gradients(self.outer)
 
     def _base_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        learned = self._learned()
+        swapped = self._as_segments(self._learned())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._as_flats(swapped)
+
+    def _base_state(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``state_dict`` / ``load_state_dict`` of the torch optimizer, per stretch."""
+        swapped = self._as_segments(None)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._as_flats(swapped)
+
+    def _as_segments(self, learned: torch.Tensor | None) -> list[Any]:
+        """Put each flat partition's stretches in its place in the torch optimizer's groups,
+        with their gradients where ``learned`` says so."""
         swapped = []
         for group in self.base.param_groups:
             flats = group["params"]
@@ -159,19 +179,24 @@ class LearnersOnly(Handle):
                     continue
                 for segment in segments:
                     piece = segment.point_at(flat)
-                    if flat.grad is not None and learned[segment.index]:
+                    if learned is not None and flat.grad is not None and learned[segment.index]:
                         piece.grad = flat.grad.detach().narrow(0, segment.start, segment.numel)
                     pieces.append(piece)
-            swapped.append((group, flats))
+            swapped.append(flats)
             group["params"] = pieces
-        try:
-            return original(*args, **kwargs)
-        finally:
-            for group, flats in swapped:
-                group["params"] = flats
-            for segments in self.segments.values():
-                for segment in segments:
-                    segment.tensor.grad = None
+        for flat_id in self.segments:
+            flat = self.flats[flat_id]
+            if flat in self.base.state and not self.base.state[flat]:
+                del self.base.state[flat]  # made empty by DeepSpeed's look-up, not by a step
+        return swapped
+
+    def _as_flats(self, swapped: list[Any]) -> None:
+        # by position: load_state_dict replaces the group dicts with new ones
+        for group, flats in zip(self.base.param_groups, swapped, strict=True):
+            group["params"] = flats
+        for segments in self.segments.values():
+            for segment in segments:
+                segment.tensor.grad = None
 
     # -- install and undo -----------------------------------------------------------------------
     def _patch(self, target: Any, name: str, wrapper: Callable[..., Any]) -> None:
@@ -186,8 +211,9 @@ class LearnersOnly(Handle):
         for hook in self._hooks:
             hook.remove()
         for target in (self.outer, self.base):
-            if "step" in vars(target):
-                delattr(target, "step")
+            for name in ("step", "state_dict", "load_state_dict"):
+                if name in vars(target):
+                    delattr(target, name)
         delattr(self.outer, _ATTRIBUTE)
         if self.kind != "plain":
             _gather_state(self.base, self.flats, self.segments)
@@ -225,6 +251,7 @@ def _kind(outer: Any) -> tuple[str, torch.optim.Optimizer]:
     if isinstance(outer, DeepSpeedZeroOptimizer):
         stage = 2 if outer.partition_gradients else 1
         _refuse(outer.cpu_offload, stage, "offload_optimizer (its CPU step is not split)")
+        _refuse(outer.elastic_checkpoint, stage, "elastic_checkpoint (it saves flat state)")
         kind = "zero12"
     elif isinstance(outer, DeepSpeedZeroOptimizer_Stage3):
         stage = 3
@@ -314,6 +341,25 @@ def _clear_zero3_gradients(outer: Any) -> None:
 def _device(params: list[nn.Parameter]) -> torch.device:
     backend = dist.get_backend()
     return torch.device("cpu") if backend == "gloo" or not params else params[0].device
+
+
+def _split_state(
+    base: torch.optim.Optimizer,
+    flats: dict[int, torch.Tensor],
+    segments: dict[int, list[Segment]],
+) -> None:
+    """Give each stretch its part of state DeepSpeed's own steps made for the flat tensor."""
+    for flat_id, pieces in segments.items():
+        state = base.state.pop(flats[flat_id], None)
+        if not state:
+            continue
+        for segment in pieces:
+            base.state[segment.tensor] = {
+                key: value.narrow(0, segment.start, segment.numel).clone()
+                if torch.is_tensor(value) and value.shape == flats[flat_id].shape
+                else (value.clone() if torch.is_tensor(value) else value)
+                for key, value in state.items()
+            }
 
 
 def _gather_state(
