@@ -549,3 +549,33 @@ def test_importing_gradgate_integrations_does_not_import_deepspeed() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "step_learners_only"]
+
+
+def test_bench_table_has_a_line_per_stage_and_depth() -> None:
+    from gradgate._bench.deepspeed import table
+
+    row = {
+        "stage": 3,
+        "depth": None,
+        "ZeRO_state_bytes": 800,
+        "step_learners_only_state_bytes": 100,
+        "state_ratio": 0.125,
+        "state_ratio_all_ranks": 0.125,
+        "ZeRO_bytes": 5000,
+        "step_learners_only_bytes": 5000,
+        "step_learners_only_agreement_bytes": 52,
+    }
+    text = table(
+        {"world_size": 2, "backend": "gloo", "blocks": 8, "width": 4, "steps": 1, "rows": [row]}
+    )
+    assert text.splitlines()[-1].split() == [
+        "3",
+        "full",
+        "800",
+        "100",
+        "0.125",
+        "0.125",
+        "5,000",
+        "5,000",
+        "52",
+    ]
