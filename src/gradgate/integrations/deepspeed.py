@@ -81,7 +81,13 @@ def step_learners_only_if_deepspeed(optimizer: Any) -> LearnersOnly | None:
 
 
 class LearnersOnly(Handle):
-    """The handle of :func:`step_learners_only`; ``remove()`` restores DeepSpeed's step."""
+    """The handle of :func:`step_learners_only`; ``remove()`` restores DeepSpeed's step.
+
+    ``kind`` is ``"zero12"``, ``"zero3"`` or ``"plain"`` (stage 0); ``params`` the parameters
+    DeepSpeed steps, in its order; ``steps`` the optimizer steps taken so far and ``stepped``
+    the positions in ``params`` that the last one stepped; ``segments`` maps each flat fp32
+    partition (by ``id``) to this rank's stretches of it, whose tensors key the optimizer state.
+    """
 
     def __init__(self, engine: Any) -> None:
         outer = _deepspeed_optimizer(engine)
@@ -105,11 +111,10 @@ class LearnersOnly(Handle):
         ]
         self._patch(outer, "step", self._outer_step)
         if self.kind != "plain":
+            _split_state(self.base, self.flats, self.segments)
             self._patch(self.base, "step", self._base_step)
             self._patch(self.base, "state_dict", self._base_state)
             self._patch(self.base, "load_state_dict", self._base_state)
-        if self.kind != "plain":
-            _split_state(self.base, self.flats, self.segments)
         setattr(outer, _ATTRIBUTE, self)
         super().__init__(self._restore, description=f"step_learners_only ({self.kind})")
 
