@@ -424,6 +424,31 @@ def hf_trainer_with_deepspeed_steps_only_learners(rank: int, record: dict[str, A
     record["moved"] = moved
 
 
+def bf16_moves_exactly_what_learned(rank: int, record: dict[str, Any]) -> None:
+    """With bf16 (fp32 master copies, bf16 parameters) a parameter changes in a step exactly
+    when it learned in the float32 reference."""
+    import gradgate.integrations.deepspeed as ggds
+
+    _, _, learned = reference(6, 1, dist.get_world_size(), 0.0)
+    for stage in (1, 2, 3):
+        engine = engine_for(make_model(), stage, 1, bf16={"enabled": True})
+        handle = ggds.step_learners_only(engine)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+        names = [name for name, _ in engine.module.named_parameters()]
+        for micro in range(6):
+            PLANS[micro].apply(gate)
+            before = full_params(engine, stage)
+            x = batch(rank, micro).to(torch.bfloat16)
+            engine.backward(loss_of(engine, x).float())
+            engine.step()
+            after = full_params(engine, stage)
+            moved = {name for name in after if not torch.equal(after[name], before[name])}
+            assert moved == learned[micro], (stage, micro, moved ^ learned[micro])
+            assert {names[i] for i in handle.stepped} == learned[micro]
+        gate.remove()
+        handle.remove()
+
+
 def make_exact(stage: int, gas: int = 1, checkpointed: bool = False, clip: float = 0.0):
     def scenario(rank: int, record: dict[str, Any]) -> None:
         run_exact(rank, stage, gas, checkpointed, clip)
@@ -441,6 +466,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     refuses_what_it_cannot_make_exact,
     remove_gives_deepspeed_its_step_and_the_state_back,
     checkpoint_keeps_each_stretch_state,
+    bf16_moves_exactly_what_learned,
     hf_trainer_with_deepspeed_steps_only_learners,
     *[make_exact(stage) for stage in (0, 1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
