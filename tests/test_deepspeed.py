@@ -84,7 +84,9 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def reference(steps: int, gas: int, world: int, clip: float) -> tuple[nn.Module, Any, list]:
+def reference(
+    steps: int, gas: int, world: int, clip: float, keep_state: bool = True
+) -> tuple[nn.Module, Any, list]:
     """Plain torch: (model, optimizer, per step the names of the parameters that learned)."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
@@ -102,6 +104,10 @@ def reference(steps: int, gas: int, world: int, clip: float) -> tuple[nn.Module,
                 [p for p in model.parameters() if p.grad is not None], clip
             )
         optimizer.step()
+        if not keep_state:  # BAdam: what does not learn now keeps no state
+            for param in model.parameters():
+                if param.grad is None:
+                    optimizer.state.pop(param, None)
         optimizer.zero_grad(set_to_none=True)
     gate.remove()
     return model, optimizer, learned
@@ -193,14 +199,16 @@ def compare_state(found: dict[str, Any], optimizer: Any, model: nn.Module) -> No
             )
 
 
-def run_exact(rank: int, stage: int, gas: int, checkpointed: bool, clip: float) -> None:
+def run_exact(
+    rank: int, stage: int, gas: int, checkpointed: bool, clip: float, keep_state: bool = True
+) -> None:
     import gradgate.integrations.deepspeed as ggds
 
     world = dist.get_world_size()
     steps = 6 if gas == 1 else 3
-    expected_model, expected_optimizer, learned = reference(steps, gas, world, clip)
+    expected_model, expected_optimizer, learned = reference(steps, gas, world, clip, keep_state)
     engine = engine_for(make_model(checkpointed), stage, gas, clip)
-    handle = ggds.step_learners_only(engine)
+    handle = ggds.step_learners_only(engine, keep_state=keep_state)
     gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
     held: list[nn.Parameter] = []
     for step in range(steps):
@@ -449,14 +457,21 @@ def bf16_moves_exactly_what_learned(rank: int, record: dict[str, Any]) -> None:
         handle.remove()
 
 
-def make_exact(stage: int, gas: int = 1, checkpointed: bool = False, clip: float = 0.0):
+def make_exact(
+    stage: int,
+    gas: int = 1,
+    checkpointed: bool = False,
+    clip: float = 0.0,
+    keep_state: bool = True,
+):
     def scenario(rank: int, record: dict[str, Any]) -> None:
-        run_exact(rank, stage, gas, checkpointed, clip)
+        run_exact(rank, stage, gas, checkpointed, clip, keep_state)
 
     scenario.__name__ = (
         f"stage{stage}_gas{gas}"
         + ("_checkpointed" if checkpointed else "")
         + ("_clipped" if clip else "")
+        + ("" if keep_state else "_state_of_learners_only")
     )
     return scenario
 
@@ -472,6 +487,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     *[make_exact(stage, checkpointed=True) for stage in (2, 3)],
     *[make_exact(stage, clip=0.05) for stage in (1, 2, 3)],
+    *[make_exact(stage, keep_state=False) for stage in (0, 1, 3)],
 ]
 
 

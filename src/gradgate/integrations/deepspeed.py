@@ -56,7 +56,7 @@ class Segment:
         return self.tensor
 
 
-def step_learners_only(engine: Any) -> LearnersOnly:
+def step_learners_only(engine: Any, *, keep_state: bool = True) -> LearnersOnly:
     """Make ``engine.step()`` step only the parameters that got a gradient, as plain torch does.
 
     ``engine`` is what ``deepspeed.initialize`` returned first (or its optimizer, or the
@@ -68,8 +68,12 @@ def step_learners_only(engine: Any) -> LearnersOnly:
     exact raise :class:`~gradgate.InvalidOptionError` naming the option that works.
     ``handle.remove()`` gives DeepSpeed back its own step, with the state gathered back into
     its flat tensors.
+
+    ``keep_state=False`` drops a parameter's optimizer state at every step in which it does not
+    learn, as BAdam does when it switches blocks: the state then exists only for the current
+    learners, and a block that learns again starts it afresh.
     """
-    return LearnersOnly(engine)
+    return LearnersOnly(engine, keep_state=keep_state)
 
 
 def step_learners_only_if_deepspeed(optimizer: Any) -> LearnersOnly | None:
@@ -89,7 +93,9 @@ class LearnersOnly(Handle):
     partition (by ``id``) to this rank's stretches of it, whose tensors key the optimizer state.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, keep_state: bool = True) -> None:
+        if not isinstance(keep_state, bool):
+            raise InvalidOptionError(f"keep_state={keep_state!r}; expected True or False.")
         outer = _deepspeed_optimizer(engine)
         if getattr(outer, _ATTRIBUTE, None) is not None:
             raise InvalidOptionError(
@@ -100,6 +106,7 @@ class LearnersOnly(Handle):
         self.outer = outer
         self.params = _params(outer, self.kind, self.base)
         self.flats, self.segments = _segments(outer, self.kind, self.params)
+        self.keep_state = keep_state
         self.steps = 0
         self.stepped: list[int] = []  # positions in params stepped by the last step
         self._got = torch.zeros(len(self.params), dtype=torch.uint8)
@@ -149,11 +156,27 @@ class LearnersOnly(Handle):
         try:
             return original(*args, **kwargs)
         finally:
+            if not self.keep_state and self._agreed is not None:
+                self._drop_state(self._agreed)
             self._got.zero_()
             self._agreed = None
             self.steps += 1
             if self.kind == "zero3":
                 _clear_zero3_gradients(self.outer)
+
+    def _drop_state(self, learned: torch.Tensor) -> None:
+        """Forget the optimizer state of what did not learn in this step."""
+        if self.kind == "plain":
+            keys: list[Any] = [p for i, p in enumerate(self.params) if not learned[i]]
+        else:
+            keys = [
+                segment.tensor
+                for segments in self.segments.values()
+                for segment in segments
+                if not learned[segment.index]
+            ]
+        for key in keys:
+            self.base.state.pop(key, None)
 
     def _base_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         swapped = self._as_segments(self._learned())
