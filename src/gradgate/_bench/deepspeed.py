@@ -102,8 +102,14 @@ def measure(
     settings["stages"] = list(stages)
     with tempfile.TemporaryDirectory() as out:
         spawn(_rank, args=(port, out, settings), nprocs=WORLD, join=True)
-        rows = json.loads((Path(out) / "rows.json").read_text())
-    return {"world_size": WORLD, "backend": "gloo", **settings, "rows": rows}
+        found = json.loads((Path(out) / "rows.json").read_text())
+    return {
+        "world_size": WORLD,
+        "backend": "gloo",
+        **settings,
+        "rows": found["fixed"],
+        "lisa_rows": found["lisa"],
+    }
 
 
 def _rank(rank: int, port: int, out: str, settings: dict[str, Any]) -> None:
@@ -129,8 +135,9 @@ def _rank(rank: int, port: int, out: str, settings: dict[str, Any]) -> None:
             for stage in settings["stages"]
             for depth in settings["depths"]
         ]
+        rotating = [_rotating_row(rank, stage, settings) for stage in settings["stages"]]
         if rank == 0:
-            (Path(out) / "rows.json").write_text(json.dumps(rows))
+            (Path(out) / "rows.json").write_text(json.dumps({"fixed": rows, "lisa": rotating}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -184,6 +191,49 @@ def _row(rank: int, stage: int, depth: int | None, settings: dict[str, Any]) -> 
     return row
 
 
+def _state_bytes(engine: Any) -> int:
+    """AdamW state bytes summed over the ranks."""
+    base = engine.optimizer.optimizer
+    found = sum(
+        value.numel() * value.element_size()
+        for entry in list(base.state.values())
+        for value in entry.values()
+        if torch.is_tensor(value)
+    )
+    total = torch.tensor([found])
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _rotating_row(rank: int, stage: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """LISA with one block a step: state bytes after the steps, kept or dropped on switch."""
+    import deepspeed
+
+    from ..integrations.deepspeed import step_learners_only
+
+    blocks, steps = settings["blocks"], 2 * settings["blocks"]
+    schedule = gg.schedules.LISA(blocks, k=1, every=1, seed=0)
+    config = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": stage}}
+    row: dict[str, Any] = {"stage": stage, "steps": steps}
+    for method, keep in (("ZeRO", None), ("keep_state", True), ("learners_state", False)):
+        torch.manual_seed(0)
+        model = _model(blocks, settings["width"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        handle = None if keep is None else step_learners_only(engine, keep_state=keep)
+        gate = gg.BackpropGate(engine.module, [str(i) for i in range(1, blocks + 1)])
+        for step in range(steps):
+            schedule.apply(gate, step)
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        row[f"{method}_state_bytes"] = _state_bytes(engine)
+        gate.remove()
+        if handle is not None:
+            handle.remove()
+    return row
+
+
 def table(section: dict[str, Any]) -> str:
     """The section as text: one line per stage and depth."""
     lines = [
@@ -203,6 +253,20 @@ def table(section: dict[str, Any]) -> str:
             f"{row['ZeRO_bytes']:>10,}  {row['step_learners_only_bytes']:>13,}  "
             f"{row['step_learners_only_agreement_bytes']:>11,}"
         )
+    if section.get("lisa_rows"):
+        lines += [
+            "",
+            "LISA, one block learning per step (and the head after it): AdamW state "
+            "bytes summed over the ranks after the steps",
+            f"{'stage':>5}  {'steps':>5}  {'ZeRO':>10}  {'keep_state':>10}  "
+            f"{'keep_state=False':>16}  {'ratio':>5}",
+        ]
+        for row in section["lisa_rows"]:
+            lines.append(
+                f"{row['stage']:>5}  {row['steps']:>5}  {row['ZeRO_state_bytes']:>10,}  "
+                f"{row['keep_state_state_bytes']:>10,}  {row['learners_state_state_bytes']:>16,}  "
+                f"{row['learners_state_state_bytes'] / row['ZeRO_state_bytes']:>5.3f}"
+            )
     return "\n".join(lines)
 
 
