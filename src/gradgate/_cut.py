@@ -241,6 +241,7 @@ class _Cut(Handle):
             frame.block_training[position] = self._set_prefix_mode(module)
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
+            frame.skipped_args[position] = args
             torch.set_grad_enabled(frame.skipped[position] and self._residual.trace(position, args))
         elif not learns and (
             position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
@@ -267,6 +268,7 @@ class _Cut(Handle):
         if position in frame.skipped:
             traced = torch.is_grad_enabled()
             torch.set_grad_enabled(frame.skipped.pop(position))
+            args = frame.skipped_args.pop(position, args)  # ZeRO-3's pre-hook may swap them
             name = self._points[position][0]
             output = self._residual.check(traced, position, name, args, kwargs, output)
             replaced = pass_around(name, args, kwargs, output)

@@ -75,6 +75,9 @@ class Frame:
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
     skipped: dict[int, bool] = field(default_factory=dict)
+    # a skipped block's arguments as the gate's pre-hook saw them: hooks that run after it
+    # (ZeRO-3's) may swap them for tensors made under the block's no-grad
+    skipped_args: dict[int, Any] = field(default_factory=dict)
     block_training: dict[int, list[tuple[nn.Module, bool]]] = field(default_factory=dict)
     checked: bool = False  # the first learning block's output was checked
     explained: bool = False  # a warning already said why the output may have no graph

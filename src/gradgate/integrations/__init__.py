@@ -28,7 +28,7 @@ from ..schedules import Plan, Schedule
 __all__: list[str] = []
 
 PREFIX = "gradgate/"
-_FRAMEWORKS = ("lightning", "transformers")
+_FRAMEWORKS = ("deepspeed", "lightning", "transformers")
 
 
 def __getattr__(name: str) -> Any:

@@ -45,6 +45,10 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     ``freeze_for_step=True``) the blocks that do not learn in a step are kept frozen
     (``requires_grad=False``) for the whole step, so that the backward's recomputation of a
     block sees the flags its forward saw; they are given back at the next step and at the end.
+
+    When the Trainer runs DeepSpeed (``TrainingArguments(deepspeed=...)``), the callback makes
+    its ZeRO optimizer step only the parameters that learned
+    (:func:`gradgate.integrations.deepspeed.step_learners_only`), until training ends.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
         self._freeze_for_step = freeze_for_step
+        self._deepspeed: Any = None  # LearnersOnly while the Trainer runs DeepSpeed
 
     @property
     def gate(self) -> BackpropGate | None:
@@ -86,6 +91,9 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs["model"]
         self._driver.attach(model)
+        from .deepspeed import step_learners_only_if_deepspeed
+
+        self._deepspeed = step_learners_only_if_deepspeed(kwargs.get("optimizer"))
         hold = self._freeze_for_step
         if hold is None:
             hold = bool(getattr(model, "is_gradient_checkpointing", False))
@@ -110,3 +118,6 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._driver.detach()
+        if self._deepspeed is not None:
+            self._deepspeed.remove()
+            self._deepspeed = None
