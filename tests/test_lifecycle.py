@@ -750,7 +750,13 @@ def run_plan_operation(world: PlanWorld, op: tuple[Any, ...]) -> None:
             with pytest.raises(gg.AlreadyFrozenError):
                 gg.freeze(model, *units, norm=norm)
             return
-        world.live.append(Live("freeze", gg.freeze(model, *units, norm=norm), tuple(units), norm))
+        one_of_tied = world.tied and ("embed" in units) != ("head" in units)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            handle = gg.freeze(model, *units, norm=norm)
+        # naming one of two tied modules freezes the other too, and says so
+        assert [w.category for w in seen] == [gg.SharedParameterWarning] * one_of_tied, seen
+        world.live.append(Live("freeze", handle, tuple(units), norm))
     elif kind == "unfreeze":
         units = tuple(op[1])
         world.live.append(Live("unfreeze", gg.unfreeze(model, *units), units))

@@ -109,6 +109,8 @@ def require_residual_path(name: str, args: Any, kwargs: Any, output: Any) -> Any
     x, out = inputs[0], outputs[0]
     if out.shape != x.shape:
         return _detached(output)  # pass_around refuses it, naming the shapes
+    if not x.requires_grad:  # a later pre-hook ran the block on a copy with no graph (ZeRO-3)
+        return _detached(output)
     found: list[str] = []
 
     def follow(node: Any) -> bool:

@@ -125,7 +125,7 @@ class _Cut(Handle):
             self._keep = frozenset(id(p) for module in extra for p in module.parameters())
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra, self._first = learn, extra, None
-        self._apply_to_fsdp()
+        self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none)."""
@@ -137,10 +137,6 @@ class _Cut(Handle):
                 opening = (p for p in learn if p not in self._skip)
                 self._first = min(opening, default=len(self._points))
         return self._first
-
-    def _apply_to_fsdp(self) -> None:
-        """FSDP2: no all-gather in backward for blocks that backward does not run through."""
-        self._fsdp.plan_changed()
 
     def _in_backward(self) -> list[bool]:
         """Per block: whether backward runs through it, from the first learner on (a named
@@ -268,10 +264,10 @@ class _Cut(Handle):
         if position in frame.skipped:
             traced = torch.is_grad_enabled()
             torch.set_grad_enabled(frame.skipped.pop(position))
-            args = frame.skipped_args.pop(position, args)  # ZeRO-3's pre-hook may swap them
             name = self._points[position][0]
             output = self._residual.check(traced, position, name, args, kwargs, output)
-            replaced = pass_around(name, args, kwargs, output)
+            # around to the args the gate saw, not a later pre-hook's no-graph copies (ZeRO-3)
+            replaced = pass_around(name, frame.skipped_args.pop(position, args), kwargs, output)
         elif frame.opened and not frame.checked and self._learns(position):
             frame.checked = True  # the first learner after the cut is where it would show
             frame.explained = check_block_output_learns(self._points[position][0], module, output)
