@@ -15,16 +15,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _torch_internals as internals
 from ._frames_compile import (
     compiled_block,
     disabled_caller,
     eager_with_compiled_blocks,
-    eval_frame_callback,
     opaque,
-    skip_frames,
-    traceable,
     under_compile,
 )
+from ._torch_internals import skip_frames, traceable
 
 
 class GateHook:
@@ -38,7 +37,7 @@ class GateHook:
             disabled_caller()
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or eval_frame_callback():
+        if torch.compiler.is_compiling() or internals.eval_frame_callback():
             return opaque(self.function, *self.bound, *args)
         return self.function(*self.bound, *args)
 
