@@ -45,7 +45,7 @@ from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
-from ._torch_internals import current_autograd_node
+from ._torch_internals import maybe_in_backward
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -387,7 +387,7 @@ class _Cut(Handle):
     def _warn_outside_call(self, position: int) -> None:
         if self._learn is None or not torch.is_grad_enabled() or grad_held_off():
             return
-        if current_autograd_node() is not None:
+        if maybe_in_backward():
             return  # activation checkpointing recomputing the block during backward
         self._warn_once(
             "outside",

@@ -44,6 +44,7 @@ TOP_SAVED_HOOKS = _lookup("torch._C._autograd", "_top_saved_tensors_default_hook
 EVAL_FRAME = _lookup("torch._C._dynamo", "eval_frame")
 # torch._dynamo itself is imported on first need only: it takes about a second.
 DYNAMO = "torch._dynamo"
+HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
 
 
 def needs(feature: str, api: str) -> TorchVersionError:
@@ -113,8 +114,10 @@ def current_autograd_node() -> Any:
     return None if CURRENT_NODE is None else CURRENT_NODE()
 
 
-def knows_current_autograd_node() -> bool:
-    return CURRENT_NODE is not None
+def maybe_in_backward() -> bool:
+    """Whether an autograd node's backward may be running now (activation checkpointing
+    recomputing a forward): true where torch cannot say."""
+    return CURRENT_NODE is None or CURRENT_NODE() is not None
 
 
 def next_sequence_nr() -> int:
@@ -196,22 +199,22 @@ def _dynamo_config() -> Any:
 def guards_hooks() -> bool:
     """Whether dynamo can be told to guard on module hooks (else a compiled block could run
     another block's graph with the wrong hooks, so it must stay uncompiled)."""
-    return hasattr(_dynamo_config(), "skip_nnmodule_hook_guards")
+    return hasattr(_dynamo_config(), HOOK_GUARDS_FLAG)
 
 
 @contextmanager
 def hook_guards() -> Iterator[None]:
     """dynamo guards on the hooks of the modules it traces inside the block."""
     config = _dynamo_config()
-    if not hasattr(config, "skip_nnmodule_hook_guards"):
+    if not hasattr(config, HOOK_GUARDS_FLAG):
         yield
         return
-    skip = config.skip_nnmodule_hook_guards
-    config.skip_nnmodule_hook_guards = False
+    skip = getattr(config, HOOK_GUARDS_FLAG)
+    setattr(config, HOOK_GUARDS_FLAG, False)
     try:
         yield
     finally:
-        config.skip_nnmodule_hook_guards = skip
+        setattr(config, HOOK_GUARDS_FLAG, skip)
 
 
 def traceable(function: Any) -> Any:
