@@ -245,3 +245,28 @@ def test_skip_frames_without_the_code_strategy_api_does_nothing(
 
     monkeypatch.setattr(internals, "EVAL_FRAME", None)
     internals.skip_frames(never_registered)  # nothing to call, no error
+
+
+# -- the autograd engine's end-of-backward callback ----------------------------------------------
+def test_frozen_blocks_released_at_the_next_forward_without_the_engine_callback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks frozen for their call stay frozen through checkpoint recomputation; without the
+    engine's callback they are released at the next forward instead of at backward's end."""
+    from test_mixed import _enable_non_reentrant_checkpointing
+
+    monkeypatch.setattr(internals, "ENGINE", None)
+    model, batch, loss_fn = models.llama(layers=4)
+    want = _plain_grads(copy.deepcopy(model), loss_fn, batch)
+    _enable_non_reentrant_checkpointing(model)
+    model.train()
+    with gg.BackpropGate(model) as gate:
+        gate.learn = {1, "model.embed_tokens"}
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            got = _grads(model)
+            layers = {n.split(".")[2] for n in got if n.startswith("model.layers.")}
+            assert layers == {"1"} and "model.embed_tokens.weight" in got
+            _assert_equal(got, {name: want[name] for name in got})
+    assert all(p.requires_grad for p in model.parameters())

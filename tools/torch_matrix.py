@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def run_suite(venv: Path, tree: Path, whole_suite: bool, timeout_s: int, log) ->
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
         subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout_s
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         return {
@@ -210,7 +211,7 @@ def render(results: dict[str, dict[str, object]]) -> str:
 def run_one(torch_version: str, args: argparse.Namespace) -> dict[str, object]:
     VENVS.mkdir(exist_ok=True)
     log_path = VENVS / f"torch-{torch_version}.log"
-    tree = VENVS / f"tree-{torch_version}"
+    tree = Path(tempfile.gettempdir()) / "gradgate-torch-matrix" / torch_version
     commit = snapshot(tree)
     with log_path.open("w") as log:
         venv = make_venv(torch_version, args.python, tree, log)

@@ -45,7 +45,7 @@ from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
-from ._torch_internals import maybe_in_backward
+from ._torch_internals import maybe_in_backward, queue_after_backward
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -417,7 +417,7 @@ class _Cut(Handle):
         def at_backward(grad: torch.Tensor) -> None:
             if not queued:
                 queued.append(True)
-                torch.autograd.Variable._execution_engine.queue_callback(self._release)
+                queue_after_backward(self._release)  # else released at the next forward
 
         for tensor in graph:
             tensor.register_hook(at_backward)

@@ -42,6 +42,7 @@ CURRENT_NODE = _lookup("torch._C", "_current_autograd_node")
 SEQUENCE_NR = _lookup("torch._C._autograd", "_get_sequence_nr")
 TOP_SAVED_HOOKS = _lookup("torch._C._autograd", "_top_saved_tensors_default_hooks")
 EVAL_FRAME = _lookup("torch._C._dynamo", "eval_frame")
+ENGINE = _lookup("torch.autograd", "Variable", "_execution_engine")
 # torch._dynamo itself is imported on first need only: it takes about a second.
 DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
@@ -139,6 +140,16 @@ def sequence_nr(node: Any) -> int:
 
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], Any]]
+
+
+def queue_after_backward(callback: Callable[[], object]) -> bool:
+    """Have autograd call ``callback`` when the backward running now ends; false where torch
+    cannot (the caller then does it later, at its next chance)."""
+    queue = getattr(ENGINE, "queue_callback", None)
+    if queue is None:
+        return False
+    queue(callback)
+    return True
 
 
 def outer_saved_tensors_hooks() -> Hooks | None:
