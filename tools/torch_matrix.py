@@ -1,20 +1,25 @@
 """Run gradgate's test suite on a list of torch releases and write docs/compatibility.md.
 
 One virtual environment per torch release, under .torch-matrix/ (git-ignored): ``torch==X``
-plus this checkout's ``.[dev]`` extra, with a transformers release that supports that torch.
+plus the requirements of this checkout's ``dev`` extra, with a transformers release that
+supports that torch, then gradgate itself (editable, without its dependencies, so that releases
+below the declared floor can be measured too). The suite runs in a copy of the checkout made
+when the release's turn comes, so edits meanwhile do not change what it tests.
 Each run adds or replaces its row in docs/compatibility.json and rewrites the table in
 docs/compatibility.md from it, so releases can be run one at a time.
 
     python tools/torch_matrix.py 2.6.0 2.15.0            # non-slow suite, venvs deleted after
     python tools/torch_matrix.py 2.13.0 --whole-suite --keep
 
-Stdlib only: it runs before any of the project's dependencies are installed.
+Stdlib only (Python 3.11+ for tomllib): it runs before any dependency is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -23,7 +28,10 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / ".torch-matrix"
@@ -88,6 +96,26 @@ def install_env(venv: Path) -> dict[str, str]:
     return env
 
 
+def dev_requirements(tree: Path) -> list[str]:
+    """The requirements of the project's ``dev`` extra, its own extras expanded, torch left
+    out (each run pins it)."""
+    project = tomllib.loads((tree / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def expand(extra: str) -> list[str]:
+        found = []
+        for requirement in extras[extra]:
+            name, _, rest = requirement.partition("[")
+            if name == project["name"]:
+                for inner in rest.rstrip("]").split(","):
+                    found += expand(inner.strip())
+            else:
+                found.append(requirement)
+        return found
+
+    return sorted(set(expand("dev")))
+
+
 def make_venv(torch_version: str, python: str, tree: Path, log) -> Path:
     """A fresh venv with torch==`torch_version` and the dev extra of `tree` installed."""
     venv = VENVS / f"torch-{torch_version}"
@@ -95,8 +123,16 @@ def make_venv(torch_version: str, python: str, tree: Path, log) -> Path:
     if run([python, "-m", "venv", str(venv)], log, cwd=ROOT) != 0:
         raise RuntimeError(f"could not create {venv}")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir"]
-    packages = [f"torch=={torch_version}", "-e", ".[dev]", transformers_requirement(torch_version)]
-    if run(pip + packages, log, cwd=tree, env=install_env(venv)) != 0:
+    # gradgate itself without its dependencies: a release below the declared floor installs too
+    packages = [
+        f"torch=={torch_version}",
+        *dev_requirements(tree),
+        transformers_requirement(torch_version),
+    ]
+    env = install_env(venv)
+    if run(pip + packages, log, cwd=tree, env=env) or run(
+        [*pip, "--no-deps", "-e", "."], log, cwd=tree, env=env
+    ):
         raise RuntimeError(f"pip install of torch=={torch_version} failed (see the log)")
     return venv
 
@@ -157,6 +193,18 @@ def run_suite(venv: Path, tree: Path, whole_suite: bool, timeout_s: int, log) ->
     if not junit.exists():
         return {"passed": 0, "failed": 0, "skipped": 0, "failures": ["pytest wrote no report"]}
     return count_junit(junit)
+
+
+@contextlib.contextmanager
+def results_lock() -> Iterator[None]:
+    """Held while the results are read and rewritten: several runs may share them."""
+    VENVS.mkdir(exist_ok=True)
+    with (VENVS / "results.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def load_results() -> dict[str, dict[str, object]]:
@@ -251,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torch {version}: {error}")
             worst = 2
             continue
-        results = load_results()
-        results[version] = row
-        save_results(results)
+        with results_lock():
+            results = load_results()
+            results[version] = row
+            save_results(results)
         print(
             f"torch {version}: {row['passed']} passed, {row['failed']} failed, "
             f"{row['skipped']} skipped"
