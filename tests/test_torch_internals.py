@@ -117,6 +117,27 @@ def test_nested_audits_count_the_same_saved_bytes_without_the_api(
     _assert_equal(_grads(model), want)
 
 
+def test_audit_inside_hooks_of_ones_own_is_a_torch_version_error_without_the_api(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch cannot name the hooks outside, an audit's hooks would replace them (an
+    offloading hook silently off): it says which torch it needs instead."""
+    monkeypatch.setattr(internals, "TOP_SAVED_HOOKS", None)
+    model, x, loss_fn = models.conv_stack(3)
+    packed: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(1)
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with pytest.raises(gg.TorchVersionError, match=r"needs torch 2\.7 or newer"):
+            gg.audit(model).__enter__()
+        loss_fn(model, x).backward()  # the hooks outside still work
+    assert len(packed) > 1
+    assert all(len(m._forward_hooks) + len(m._forward_pre_hooks) == 0 for m in model.modules())
+
+
 # -- autograd node numbers and the running node ------------------------------------------------
 def test_sequence_number_fallback_counts_like_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     real = internals.next_sequence_nr()
@@ -157,7 +178,7 @@ def test_audit_without_the_op_observer_is_a_torch_version_error(
     monkeypatch.setattr(internals, missing, None)
     model = models.conv_stack(3)[0]
     hooks_before = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
-    with pytest.raises(gg.TorchVersionError, match=r"audit.*needs torch's .*2\.6 or newer"):
+    with pytest.raises(gg.TorchVersionError, match=r"audit.*needs torch 2\.6 or newer: it uses"):
         gg.audit(model)
     assert [
         len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
@@ -226,6 +247,17 @@ def test_compile_without_hook_guards_runs_blocks_eagerly_and_exactly(
     _compiled_gate_matches_eager([None, 0, 2, 4, 1])
     with pytest.raises(gg.TorchVersionError, match=r"compile_blocks.*skip_nnmodule_hook_guards"):
         gg.compile_blocks(nn.Sequential(*[_Block(4) for _ in range(3)]), backend="eager")
+    torch._dynamo.reset()
+
+
+def test_compile_without_frame_skipping_runs_the_gated_forward_eagerly_and_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.6 cannot be told to skip the gate's frames (its dynamo crashed tracing them):
+    the gated forward runs eagerly under torch.compile, a graph break, blocks uncompiled."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(internals, "SKIPS_FRAMES", False)
+    _compiled_gate_matches_eager([None, 0, 2, 4, 1, 3])
     torch._dynamo.reset()
 
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from ._torch_internals import knows_saved_tensors_hooks, outer_saved_tensors_hooks, tree_flatten
+from ._torch_internals import (
+    knows_saved_tensors_hooks,
+    needs,
+    outer_saved_tensors_hooks,
+    saved_tensors_hooks_active,
+    tree_flatten,
+)
 
 Node = Any  # torch.autograd.graph.Node; its Python API is only partly typed
 # The on_save callbacks of the observe_saved blocks active in this context, outermost first.
@@ -197,6 +203,13 @@ def observe_saved(on_save: Callable[[torch.Tensor], object]) -> Iterator[None]:
         # No hooks outside, or a torch that cannot say which: then this pair replaces those of
         # an enclosing observe_saved, so their callbacks are called from here.
         enclosing = () if knows_saved_tensors_hooks() else _OBSERVERS.get()
+        if not knows_saved_tensors_hooks() and not enclosing and saved_tensors_hooks_active():
+            raise needs(
+                "Seeing saved tensors inside saved_tensors_hooks of your own (an audit inside "
+                "activation offloading)",
+                "torch._C._autograd._top_saved_tensors_default_hooks",
+                since="2.7",
+            )
 
         def pack(tensor: torch.Tensor) -> Any:
             for observer in (*enclosing, on_save):

@@ -157,6 +157,13 @@ class ForwardGuard(_InstanceForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling() and not internals.SKIPS_FRAMES:
+            # dynamo traces this frame where torch cannot be told to skip it (torch 2.6, whose
+            # dynamo crashed on it): the gated forward runs eagerly, a graph break
+            return opaque(self._guarded, *args, **kwargs)
+        return self._guarded(*args, **kwargs)
+
+    def _guarded(self, *args: Any, **kwargs: Any) -> Any:
         self.enter(self.module, args)
         try:
             if under_compile():
@@ -227,6 +234,7 @@ def _plain_forward(module: nn.Module, previous: Any) -> Any:
 skip_frames(
     GateHook.__call__,
     ForwardGuard.__call__,
+    ForwardGuard._guarded,
     ForwardGuard._compiled_by_block,
     HookedForward.__call__,
     CompiledForward.__call__,

@@ -48,11 +48,15 @@ DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
 
 
-def needs(feature: str, api: str) -> TorchVersionError:
+FLOOR = "2.6"  # pyproject.toml's torch floor; docs/compatibility.md lists the releases tested
+
+
+def needs(feature: str, api: str, *, since: str = FLOOR) -> TorchVersionError:
     """The error for a feature this torch cannot support."""
     return TorchVersionError(
-        f"{feature} needs torch's {api}, which torch {torch.__version__} does not have. "
-        "Use a torch release listed in docs/compatibility.md (2.6 or newer)."
+        f"{feature} needs torch {since} or newer: it uses torch's {api}, which torch "
+        f"{torch.__version__} does not have. Install a newer torch "
+        "(docs/compatibility.md lists the releases tested)."
     )
 
 
@@ -162,6 +166,23 @@ def knows_saved_tensors_hooks() -> bool:
     return TOP_SAVED_HOOKS is not None
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether some ``saved_tensors_hooks`` are active now, for a torch that cannot name them:
+    a throwaway node's saved tensor then has hooks already (their pack runs on it once)."""
+    with torch.enable_grad():
+        x = torch.zeros((), requires_grad=True)
+        node = (x * x).grad_fn
+    try:
+        node._raw_saved_self.register_hooks(_same, _same)  # type: ignore[union-attr]
+    except RuntimeError:
+        return True
+    return False
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket as GradBucket  # DDP's comm hook argument
     from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
@@ -198,8 +219,10 @@ set_eval_frame: Any = getattr(EVAL_FRAME, "set_eval_frame", None)
 
 def can_set_eval_frame() -> bool:
     """Whether a block's frame can be compiled from eager code by setting dynamo's callback."""
-    return callable(getattr(EVAL_FRAME, "get_eval_frame_callback", None)) and callable(
-        getattr(EVAL_FRAME, "set_eval_frame", None)
+    return (
+        callable(getattr(EVAL_FRAME, "get_eval_frame_callback", None))
+        and callable(getattr(EVAL_FRAME, "set_eval_frame", None))
+        and can_skip_frames()
     )
 
 
@@ -243,11 +266,18 @@ def traceable(function: Any) -> Any:
 def skip_frames(*functions: Any) -> None:
     """Tell dynamo never to trace these functions' own frames (their callees still may be);
     where torch cannot, dynamo meets them under ``torch.compiler.disable`` (a graph break)."""
-    strategy = getattr(EVAL_FRAME, "set_code_exec_strategy", None)
-    action = getattr(EVAL_FRAME, "_FrameAction", None)
-    make = getattr(EVAL_FRAME, "_FrameExecStrategy", None)
-    if strategy is None or action is None or make is None:
-        return
-    skip = make(action.SKIP, action.DEFAULT)
-    for function in functions:
-        strategy(function.__code__, skip)
+    if can_skip_frames():
+        action = EVAL_FRAME._FrameAction
+        skip = EVAL_FRAME._FrameExecStrategy(action.SKIP, action.DEFAULT)
+        for function in functions:
+            EVAL_FRAME.set_code_exec_strategy(function.__code__, skip)
+
+
+def can_skip_frames() -> bool:
+    """Whether dynamo can be told to skip a code object's own frame (torch 2.7 on: without
+    it, compiling a block's frame from the gate's eager code crashed torch 2.6)."""
+    names = ("set_code_exec_strategy", "_FrameAction", "_FrameExecStrategy")
+    return all(getattr(EVAL_FRAME, name, None) is not None for name in names)
+
+
+SKIPS_FRAMES = can_skip_frames()  # read by frames dynamo may trace: a constant it can fold
