@@ -12,6 +12,7 @@ from models import tiny_gpt2, trainer_args
 from torch import nn
 
 import gradgate as gg
+from gradgate import _torch_internals as internals
 from gradgate._bench.compiled import compile_counts, schedule
 
 BACKEND = "aot_eager"  # dynamo's guards and graphs do not depend on the backend; this is fast
@@ -261,7 +262,8 @@ def test_compile_after_the_gate_is_removed_sees_a_plain_model() -> None:
     with gg.BackpropGate(model, [str(i) for i in range(1, 5)]) as gate:
         gate.depth = 1
         torch.compile(model, backend="eager")(torch.ones(4, 3)).sum().backward()
-        assert all("forward" in vars(block) for block in list(model)[1:5])
+        compiled_by_block = all("forward" in vars(block) for block in list(model)[1:5])
+        assert compiled_by_block == internals.SKIPS_FRAMES  # else eager (torch 2.6)
     assert all("forward" not in vars(module) for module in model)
     from torch._dynamo.utils import counters
 

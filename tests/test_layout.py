@@ -4,6 +4,7 @@ file over 450 lines, and the audit and graph layers' plumbing comes from the sha
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_one_node_walk_and_one_saved_tensor_reader() -> None:
         assert "for fn, _ in node.next_functions if fn is not None" not in text, path
         assert 'startswith("_saved_")' not in text, path
         assert "saved_tensors_hooks(" not in text, path
+
+
+def _dotted(node: ast.expr) -> str:
+    """``torch._C._autograd`` for that attribute chain, else ''."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def _private_torch(node: ast.AST) -> str:
+    """The private torch name ``node`` uses, else ''."""
+    if isinstance(node, ast.ImportFrom | ast.Import):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [alias.name for alias in node.names]
+    elif isinstance(node, ast.Attribute):
+        names = [_dotted(node)] if node.attr.startswith("_") else []
+    else:
+        return ""
+    private = re.compile(r"^torch(\.\w+)*\._(?!_)|^\w+\._sequence_nr$")
+    return next((name for name in names if private.search(name)), "")
+
+
+def test_private_torch_apis_only_in_torch_internals() -> None:
+    """Every private torch API is used in _torch_internals, behind a feature check (the
+    benchmarks may still reset dynamo and read its counters)."""
+    for path in _all_files():
+        if path.name == "_torch_internals.py" or path.parent.name == "_bench":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            name = _private_torch(node)
+            assert not name, f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')}: {name}"

@@ -43,6 +43,7 @@ PUBLIC = [
     "SavedTensorModifiedError",
     "SharedParameterWarning",
     "StopGradient",
+    "TorchVersionError",
     "TransformError",
     "TransformHandle",
     "UnfreezeHandle",

@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from ._torch_internals import (
+    knows_saved_tensors_hooks,
+    needs,
+    outer_saved_tensors_hooks,
+    saved_tensors_hooks_active,
+    tree_flatten,
+)
 
 Node = Any  # torch.autograd.graph.Node; its Python API is only partly typed
+# The on_save callbacks of the observe_saved blocks active in this context, outermost first.
+_OBSERVERS: ContextVar[tuple[Callable[[torch.Tensor], object], ...]] = ContextVar(
+    "gradgate_saved_observers", default=()
+)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -186,11 +198,22 @@ def observe_saved(on_save: Callable[[torch.Tensor], object]) -> Iterator[None]:
     >>> saved.total
     64
     """
-    outer = _outer_hooks()
+    outer = outer_saved_tensors_hooks()
     if outer is None:
+        # No hooks outside, or a torch that cannot say which: then this pair replaces those of
+        # an enclosing observe_saved, so their callbacks are called from here.
+        enclosing = () if knows_saved_tensors_hooks() else _OBSERVERS.get()
+        if not knows_saved_tensors_hooks() and not enclosing and saved_tensors_hooks_active():
+            raise needs(
+                "Seeing saved tensors inside saved_tensors_hooks of your own (an audit inside "
+                "activation offloading)",
+                "torch._C._autograd._top_saved_tensors_default_hooks",
+                since="2.7",
+            )
 
         def pack(tensor: torch.Tensor) -> Any:
-            on_save(tensor)
+            for observer in (*enclosing, on_save):
+                observer(tensor)
             return tensor.detach()
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -206,12 +229,9 @@ def observe_saved(on_save: Callable[[torch.Tensor], object]) -> Iterator[None]:
         def unpack(packed: Any) -> torch.Tensor:
             return outer_unpack(packed.packed)  # type: ignore[no-any-return]
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-def _outer_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # older torch: inner hooks replace outer ones, as documented
-        return None
-    return top(False)  # type: ignore[no-any-return]
+    token = _OBSERVERS.set((*_OBSERVERS.get(), on_save))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _OBSERVERS.reset(token)

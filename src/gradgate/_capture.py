@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import (
@@ -26,6 +25,7 @@ from ._handles import Handle
 from ._hooks import GateHook, HookSet
 from ._select import Pattern, check_module, check_patterns, resolve_modules
 from ._tagging import runs_itself
+from ._torch_internals import tree_flatten, tree_unflatten
 
 
 class _Call:

@@ -25,6 +25,7 @@ from ._errors import InvalidOptionError
 from ._frames_compile import block_tracing
 from ._handles import Handle
 from ._select import Pattern, resolve_blocks
+from ._torch_internals import guards_hooks, needs
 
 _MARK = "_gradgate_compiled_forward"
 
@@ -56,6 +57,11 @@ def compile_blocks(
     if "fullgraph" in compile_kwargs and not isinstance(compile_kwargs["fullgraph"], bool):
         raise InvalidOptionError(
             f"fullgraph={compile_kwargs['fullgraph']!r}; expected True or False."
+        )
+    if not guards_hooks():
+        raise needs(
+            "gg.compile_blocks (blocks of a class share graphs, so dynamo must guard on hooks)",
+            "torch._dynamo.config.skip_nnmodule_hook_guards",
         )
     points = resolve_blocks(model, blocks)
     for name, block in points:

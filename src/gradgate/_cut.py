@@ -48,6 +48,7 @@ from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
+from ._torch_internals import maybe_in_backward, queue_after_backward
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -393,7 +394,7 @@ class _Cut(Handle):
     def _warn_outside_call(self, position: int) -> None:
         if self._learn is None or not torch.is_grad_enabled() or grad_held_off():
             return
-        if torch._C._current_autograd_node() is not None:
+        if maybe_in_backward():
             return  # activation checkpointing recomputing the block during backward
         self._warn_once(
             "outside",
@@ -423,7 +424,7 @@ class _Cut(Handle):
         def at_backward(grad: torch.Tensor) -> None:
             if not queued:
                 queued.append(True)
-                torch.autograd.Variable._execution_engine.queue_callback(self._release)
+                queue_after_backward(self._release)  # else released at the next forward
 
         for tensor in graph:
             tensor.register_hook(at_backward)

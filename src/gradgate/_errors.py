@@ -111,6 +111,10 @@ class MissingExtraError(GradgateError):
     """An optional package a feature needs is not installed; the message gives the pip command."""
 
 
+class TorchVersionError(GradgateError):
+    """The installed torch lacks what a feature needs; the message names the torch to use."""
+
+
 class GradgateWarning(UserWarning):
     """Root of every warning gradgate emits."""
 

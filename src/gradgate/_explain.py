@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from ._autograd import saved_attributes, walk
@@ -43,6 +42,7 @@ from ._errors import (
     InvalidOptionError,
     SavedTensorModifiedError,
 )
+from ._torch_internals import next_sequence_nr, sequence_nr, tree_flatten
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _VERSIONS = re.compile(
@@ -97,7 +97,7 @@ class Explainer(ContextDecorator):
         self._mode: _Recorder | None = None
 
     def __enter__(self) -> Explainer:
-        self._record = _Record(first_node=_next_sequence_number())
+        self._record = _Record(first_node=next_sequence_nr())
         self._names = {}
         if self._model is not None:
             self._names = {id(m): n or type(m).__name__ for n, m in self._model.named_modules()}
@@ -213,7 +213,7 @@ class _Recorder(TorchFunctionMode):
         site, nodes = self._site(func), self._record.nodes
 
         def unrecorded(node: Any) -> bool:
-            return id(node) not in nodes and node._sequence_nr() >= self._record.first_node
+            return id(node) not in nodes and sequence_nr(node) >= self._record.first_node
 
         for node in walk(new, enter=unrecorded):
             nodes[id(node)] = _Node(node, site)
@@ -223,14 +223,6 @@ class _Recorder(TorchFunctionMode):
         return _Site(
             getattr(func, "__name__", repr(func)), stack[-1] if stack else None, _user_line()
         )
-
-
-def _next_sequence_number() -> int:
-    """Autograd numbers nodes in creation order; this is the number the next one will get."""
-    with torch.enable_grad():
-        node = torch.zeros((), requires_grad=True).neg().grad_fn
-    assert node is not None
-    return int(node._sequence_nr()) + 1
 
 
 def _is_in_place(name: str) -> bool:

@@ -10,7 +10,6 @@ class and grad state, no guard on the plan. Outside ``torch.compile`` these are 
 
 from __future__ import annotations
 
-import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,8 +18,9 @@ from typing import Any
 
 import torch
 
-_frames = torch._C._dynamo.eval_frame
-eval_frame_callback = getattr(_frames, "get_eval_frame_callback", lambda: True)
+from . import _torch_internals as internals
+from ._torch_internals import skip_frames
+
 _DISABLED: Any = None
 _BLOCK_COMPILER: ContextVar[Any] = ContextVar("gradgate_block_compiler", default=None)
 
@@ -39,20 +39,14 @@ def block_tracing() -> Iterator[None]:
     those guards by default and would run one block's graph for another block's hooks. And
     dynamo's own non-leaf ``.grad`` warning is ignored.
     """
-    config = torch._dynamo.config
-    skip_hook_guards = config.skip_nnmodule_hook_guards
-    config.skip_nnmodule_hook_guards = False
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
-            yield
-    finally:
-        config.skip_nnmodule_hook_guards = skip_hook_guards
+    with internals.hook_guards(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+        yield
 
 
 def under_compile() -> bool:
     """Whether an eager frame runs inside ``torch.compile`` (dynamo's frame callback is set)."""
-    return bool(eval_frame_callback()) and not torch.compiler.is_compiling()
+    return bool(internals.eval_frame_callback()) and not torch.compiler.is_compiling()
 
 
 def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +70,7 @@ def disabled_caller() -> Any:
 def eager_with_compiled_blocks(function: Any, *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)`` eagerly; :func:`compiled_block` calls in it are compiled
     with the compiler active now."""
-    token = _BLOCK_COMPILER.set(eval_frame_callback())
+    token = _BLOCK_COMPILER.set(internals.eval_frame_callback())
     try:
         return opaque(function, *args, **kwargs)
     finally:
@@ -88,39 +82,27 @@ def compiled_block(function: Any, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():  # traced into a frame compiled some other way
         return function(*args, **kwargs)
     compiler = _BLOCK_COMPILER.get()
-    if compiler is None or eval_frame_callback():
+    if compiler is None or internals.eval_frame_callback() or not _can_compile_blocks():
         return function(*args, **kwargs)
     with block_tracing():
-        prior = _frames.set_eval_frame(compiler)
+        prior = internals.set_eval_frame(compiler)
         try:
             return function(*args, **kwargs)
         finally:
-            _frames.set_eval_frame(prior)
+            internals.set_eval_frame(prior)
 
 
-def traceable(function: Any) -> Any:
-    """``function``, or a frame around it that dynamo compiles where it would skip its own frame
-    (the forwards of torch.nn's modules, e.g. ``nn.TransformerEncoderLayer``, are in dynamo's
-    skip list as top frames; ``torch.compile(module)`` wraps them the same way)."""
-    from torch._dynamo import external_utils, trace_rules
-
-    plain = isinstance(function, (types.FunctionType, types.MethodType))
-    return (
-        external_utils.wrap_inline(function) if plain and trace_rules.check(function) else function
-    )
+def _can_compile_blocks() -> bool:
+    """Without setting dynamo's callback, or with dynamo unable to guard on hooks, the blocks
+    run uncompiled (exact, slower)."""
+    return internals.can_set_eval_frame() and internals.guards_hooks()
 
 
-def skip_frames(*functions: Any) -> None:
-    """Tell dynamo never to trace these functions' own frames (their callees still may be).
-
-    They are gradgate's wrappers and hooks, entered from eager code while a compiler is active.
-    """
-    if not hasattr(_frames, "set_code_exec_strategy"):
-        return
-    action = _frames._FrameAction
-    skip = _frames._FrameExecStrategy(action.SKIP, action.DEFAULT)
-    for function in functions:
-        _frames.set_code_exec_strategy(function.__code__, skip)
-
-
-skip_frames(under_compile, opaque, disabled_caller, eager_with_compiled_blocks, compiled_block)
+skip_frames(
+    under_compile,
+    opaque,
+    disabled_caller,
+    eager_with_compiled_blocks,
+    compiled_block,
+    internals._callback_unknown,
+)

@@ -15,16 +15,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _torch_internals as internals
 from ._frames_compile import (
     compiled_block,
     disabled_caller,
     eager_with_compiled_blocks,
-    eval_frame_callback,
     opaque,
-    skip_frames,
-    traceable,
     under_compile,
 )
+from ._torch_internals import skip_frames, traceable
 
 
 class GateHook:
@@ -38,7 +37,7 @@ class GateHook:
             disabled_caller()
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or eval_frame_callback():
+        if torch.compiler.is_compiling() or internals.eval_frame_callback():
             return opaque(self.function, *self.bound, *args)
         return self.function(*self.bound, *args)
 
@@ -171,6 +170,13 @@ class ForwardGuard(_InstanceForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling() and not internals.SKIPS_FRAMES:
+            # dynamo traces this frame where torch cannot be told to skip it (torch 2.6, whose
+            # dynamo crashed on it): the gated forward runs eagerly, a graph break
+            return opaque(self._guarded, *args, **kwargs)
+        return self._guarded(*args, **kwargs)
+
+    def _guarded(self, *args: Any, **kwargs: Any) -> Any:
         self.enter(self.module, args)
         try:
             if under_compile():
@@ -241,6 +247,7 @@ def _plain_forward(module: nn.Module, previous: Any) -> Any:
 skip_frames(
     GateHook.__call__,
     ForwardGuard.__call__,
+    ForwardGuard._guarded,
     ForwardGuard._compiled_by_block,
     HookedForward.__call__,
     CompiledForward.__call__,

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._autograd import Node, is_leaf, tensors_in, walk
 from ._hooks import GateHook, HookSet
+from ._torch_internals import next_sequence_nr, sequence_nr
 
 
 def runs_itself(module: nn.Module) -> bool:
@@ -114,7 +115,7 @@ class ModuleTagger:
 
     def _entered(self, name: str, module: nn.Module, args: Any) -> None:
         self.forward_seen = True
-        self._stack().append(_Call(name, module, torch._C._autograd._get_sequence_nr()))
+        self._stack().append(_Call(name, module, next_sequence_nr()))
 
     def _left(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -128,7 +129,7 @@ class ModuleTagger:
         tagged yet with ``name``."""
 
         def created_here(node: Node) -> bool:
-            return not is_leaf(node) and node._sequence_nr() >= start
+            return not is_leaf(node) and sequence_nr(node) >= start
 
         roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
         for node in walk(roots, enter=created_here):

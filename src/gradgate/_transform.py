@@ -32,7 +32,6 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidOptionError, NoTensorError, TransformError
@@ -40,6 +39,7 @@ from ._handles import Handle
 from ._hooks import GateHook, HookSet
 from ._select import Pattern, check_module, check_patterns, resolve_modules
 from ._tagging import runs_itself
+from ._torch_internals import tree_flatten, tree_unflatten
 from ._validate import check_choice
 
 On = Literal["params", "input", "both"]

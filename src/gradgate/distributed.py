@@ -33,8 +33,9 @@ from ._fsdp import apply_plan_to_fsdp
 from ._handles import Handle
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import GradBucket
     from torch.nn.parallel import DistributedDataParallel
+
+    from ._torch_internals import GradBucket
 
 __all__ = [
     "TrainedAllReduce",

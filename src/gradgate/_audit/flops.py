@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._autograd import Node, storage_key, tensors_in
+from .._torch_internals import TorchDispatchMode, current_autograd_node, require_op_observer
 
 Piece = tuple[tuple[int, ...], int]  # (storage keys of an op's outputs, its FLOPs)
 Formula = Callable[..., int]
@@ -27,13 +27,14 @@ class BackwardObserver(TorchDispatchMode):
     ``uncounted`` names the ops whose FLOPs no formula could count."""
 
     def __init__(self, on_op: Callable[[Node, int, list[Piece]], None]) -> None:
+        require_op_observer("An audit (FLOPs and saved bytes per autograd node)")
         super().__init__()
         self._on_op = on_op
         self.uncounted: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return func(*args, **kwargs)
         formula = torch_formula(func)

@@ -13,6 +13,7 @@ import functools
 from torch import nn
 
 from .._autograd import Node, is_leaf, storage_key
+from .._torch_internals import sequence_nr
 from .parts import Walk, ancestors_and_self, common
 
 
@@ -56,7 +57,7 @@ def _attribute_by_order(walk: Walk, params: ParamIndex, model: nn.Module) -> dic
         owners += [_param_only_owner(fn, params) for fn in walk.inputs[node]]
         found = [owner for owner in owners if owner is not None]
         if found:
-            anchors.append((node._sequence_nr(), functools.reduce(common, found)))
+            anchors.append((sequence_nr(node), functools.reduce(common, found)))
     anchors.sort()
     numbers = [number for number, _ in anchors]
     layout = _Layout(model)
@@ -64,7 +65,7 @@ def _attribute_by_order(walk: Walk, params: ParamIndex, model: nn.Module) -> dic
     for node in walk.order:
         if is_leaf(node):
             continue
-        number = node._sequence_nr()
+        number = sequence_nr(node)
         at = bisect.bisect_left(numbers, number)
         if at < len(numbers) and numbers[at] == number:
             labels[node] = anchors[at][1]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .._autograd import Node, is_leaf, root_node, saved_tensors, storage_bytes, storage_key
+from .._torch_internals import sequence_nr
 from .attribution import ParamIndex
 from .parts import GraphEdge, GraphNode, NodeKind, Walk, format_bytes
 
@@ -38,7 +39,7 @@ def autograd_nodes(
                     module,
                     tooltip=f"{node.name()} in {module or 'no module'}",
                     saved_bytes=size,
-                    key=(f"{node._sequence_nr():020d}",),
+                    key=(f"{sequence_nr(node):020d}",),
                 )
             )
     edges = [GraphEdge(ids[fn], ids[node]) for node in walk.order for fn in walk.inputs[node]]
