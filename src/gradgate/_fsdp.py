@@ -13,6 +13,7 @@ from torch import nn
 from ._autograd import tensors_in
 from ._errors import GradgateError
 from ._hooks import HookSet
+from ._torch_internals import queue_after_backward
 
 
 def apply_plan_to_fsdp(
@@ -146,7 +147,8 @@ class _AtBackward:
     def __call__(self, grad: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._done)
+            if not queue_after_backward(self._done):  # every torch with FSDP2 can, in fact
+                self._done()
 
     def _done(self) -> None:
         self._pending.pop(self._key, None)
