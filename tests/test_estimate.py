@@ -265,8 +265,9 @@ def test_cli_plans_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert (status, err) == (0, ""), err
     assert "LlamaForCausalLM" in out and "bfloat16" in out
-    rows = [line.split()[0] for line in out.splitlines() if line[:1].isspace() or line[:1].isdigit()]
-    assert [r for r in rows if r.isdigit()] == ["0", "1", "2", "4"]
+    lines = out.splitlines()
+    assert lines[2].split() == ["depth", "params", "grads", "optimizer", "saved", "peak"]
+    assert [line.split()[0] for line in lines[4:8]] == ["0", "1", "2", "4"]
     from transformers import AutoConfig, LlamaForCausalLM
 
     with torch.device("meta"):
