@@ -16,12 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from models import bert, cnn_with_batchnorm, gpt2, llama
 from torch import nn
 
 import gradgate as gg
 from gradgate import cli
-
-from models import bert, cnn_with_batchnorm, gpt2, llama
 
 GiB = 1024**3
 
@@ -33,7 +32,9 @@ def padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**batch, "attention_mask": mask}
 
 
-def audited_saved_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], depth: int) -> int:
+def audited_saved_bytes(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], depth: int
+) -> int:
     with gg.backprop_depth(model, depth), gg.audit(model) as report:
         out = model(*args, **kwargs)
         tensor = out if isinstance(out, torch.Tensor) else out[0]
@@ -189,7 +190,13 @@ def test_fits_picks_the_largest_depth_under_the_budget() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("24GiB", 24 * GiB), ("24 GB", 24 * 10**9), ("1.5MiB", 3 * 2**19), ("512", 512), ("2kb", 2000)],
+    [
+        ("24GiB", 24 * GiB),
+        ("24 GB", 24 * 10**9),
+        ("1.5MiB", 3 * 2**19),
+        ("512", 512),
+        ("2kb", 2000),
+    ],
 )
 def test_budget_strings(text: str, expected: int) -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))

@@ -44,6 +44,7 @@ class MemoryRow:
         return "learn {" + ", ".join(sorted(map(str, self.learn))) + "}"
 
     def as_dict(self) -> dict[str, object]:
+        """The row as plain JSON values (a learning set as a sorted list)."""
         learn = None if self.learn is None else sorted(self.learn, key=str)
         return {
             "depth": self.depth,
@@ -118,17 +119,26 @@ class MemoryPlan:
         """A text table: one line per row, sizes in binary units."""
         cells = [[row.label, *map(format_bytes, row._figures())] for row in self.rows]
         first = max([len("depth"), *(len(c[0]) for c in cells)])
-        widths = [max([len(name), *(len(c[i + 1]) for c in cells)]) for i, name in enumerate(_COLUMNS)]
+        widths = [
+            max([len(name), *(len(c[i + 1]) for c in cells)]) for i, name in enumerate(_COLUMNS)
+        ]
         lines = [
             f"{self.model}: memory of one training step per depth ({self.blocks} blocks, "
             f"{self.dtype}, optimizer {self.optimizer})",
             "peak = params + grads + optimizer state + activations saved for backward",
-            "  ".join(["depth".ljust(first), *(n.rjust(w) for n, w in zip(_COLUMNS, widths))]),
+            "  ".join(
+                ["depth".ljust(first), *(n.rjust(w) for n, w in zip(_COLUMNS, widths, strict=True))]
+            ),
             "  ".join(["-" * first, *("-" * w for w in widths)]),
         ]
         for cell in cells:
             lines.append(
-                "  ".join([cell[0].ljust(first), *(c.rjust(w) for c, w in zip(cell[1:], widths))])
+                "  ".join(
+                    [
+                        cell[0].ljust(first),
+                        *(c.rjust(w) for c, w in zip(cell[1:], widths, strict=True)),
+                    ]
+                )
             )
         return "\n".join(lines)
 
@@ -150,7 +160,9 @@ class MemoryPlan:
         body = "".join(
             "<tr>"
             + f"<td>{html.escape(row.label)}</td>"
-            + "".join(f'<td style="text-align:right">{format_bytes(v)}</td>' for v in row._figures())
+            + "".join(
+                f'<td style="text-align:right">{format_bytes(v)}</td>' for v in row._figures()
+            )
             + "</tr>"
             for row in self.rows
         )

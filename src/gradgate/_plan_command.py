@@ -26,13 +26,21 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         'Needs transformers: pip install "gradgate[bench]".',
     )
     parser.add_argument("config", type=Path, metavar="CONFIG.json", help="a config.json file")
-    parser.add_argument("--batch", type=_positive_int, required=True, metavar="B", help="batch size")
-    parser.add_argument("--seq", type=_positive_int, required=True, metavar="S", help="sequence length")
     parser.add_argument(
-        "--memory", metavar="SIZE", help="memory budget, e.g. 24GiB: print the largest depth that fits"
+        "--batch", type=_positive_int, required=True, metavar="B", help="batch size"
     )
     parser.add_argument(
-        "--dtype", metavar="DTYPE", help="parameter dtype, e.g. bf16 (default: the config's, else fp32)"
+        "--seq", type=_positive_int, required=True, metavar="S", help="sequence length"
+    )
+    parser.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="memory budget, e.g. 24GiB: print the largest depth that fits",
+    )
+    parser.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        help="parameter dtype, e.g. bf16 (default: the config's, else fp32)",
     )
     parser.add_argument(
         "--optimizer", choices=_OPTIMIZERS, default="adamw", help="optimizer state (default: adamw)"
@@ -75,9 +83,7 @@ def plan_config(
     inputs: dict[str, Any] = {"input_ids": ids}
     if type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         inputs["labels"] = ids  # the loss is part of the step: logits in fp32, log-softmax
-    return estimate(
-        model, **inputs, optimizer=optimizer, dtype=dtype or _config_dtype(config)
-    )
+    return estimate(model, **inputs, optimizer=optimizer, dtype=dtype or _config_dtype(config))
 
 
 def _read_config(path: Path) -> Any:
@@ -94,7 +100,7 @@ def _read_config(path: Path) -> Any:
     model_type = data.pop("model_type", None) if isinstance(data, dict) else None
     if not isinstance(model_type, str):
         raise InvalidOptionError(
-            f"{str(path)!r} has no \"model_type\"; expected a transformers config.json with "
+            f'{str(path)!r} has no "model_type"; expected a transformers config.json with '
             'e.g. "model_type": "llama".'
         )
     try:

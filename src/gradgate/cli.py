@@ -30,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The one parser of ``gradgate``; ``demo``, ``bench`` and ``plan`` add their own sub-commands."""
+    """The one parser of ``gradgate``; each command (demo, bench, plan) adds its sub-command."""
     parser = _Parser(
         prog="gradgate",
         description=DESCRIPTION,
