@@ -41,11 +41,11 @@ class MemoryRow:
         """``"3"`` for depth 3, ``"learn {1, 4}"`` for a learning set."""
         if self.learn is None:
             return str(self.depth)
-        return "learn {" + ", ".join(sorted(map(str, self.learn))) + "}"
+        return "learn {" + ", ".join(map(str, _ordered(self.learn))) + "}"
 
     def as_dict(self) -> dict[str, object]:
         """The row as plain JSON values (a learning set as a sorted list)."""
-        learn = None if self.learn is None else sorted(self.learn, key=str)
+        learn = None if self.learn is None else _ordered(self.learn)
         return {
             "depth": self.depth,
             "learn": learn,
@@ -64,6 +64,12 @@ class MemoryRow:
             self.saved_bytes,
             self.peak_bytes,
         )
+
+
+def _ordered(items: frozenset[int | str]) -> list[int | str]:
+    """Block positions in order, then module names."""
+    numbers = sorted(item for item in items if isinstance(item, int))
+    return [*numbers, *sorted(item for item in items if isinstance(item, str))]
 
 
 class MemoryPlan:
