@@ -333,3 +333,25 @@ def test_a_70b_llama_is_planned_in_a_minute_in_2_gib() -> None:
     assert full["depth"] == 80
     assert full["param_bytes"] == 2 * 70_553_706_496  # Llama-3-70B's parameter count, bf16
     assert full["optimizer_bytes"] == 2 * full["grad_bytes"] + 4 * (80 * 9 + 2)
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x if x.sum() > 0 else -x)
+
+
+class ValueShaped(ReadsValues):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x[x > 0].reshape(-1, 2))
+
+
+@pytest.mark.parametrize("model", [ReadsValues(), ValueShaped()], ids=["item", "nonzero"])
+def test_a_forward_that_reads_values_is_explained(model: nn.Module) -> None:
+    with pytest.raises(gg.EstimateError, match=r"ReadsValues|ValueShaped") as error:
+        gg.estimate(model, torch.randn(1, 2))
+    assert "fake tensors" in str(error.value) and "gg.audit" in str(error.value)
+    assert isinstance(error.value.__cause__, RuntimeError)

@@ -18,6 +18,7 @@ PUBLIC = [
     "BlockCallWarning",
     "CaptureHandle",
     "CheckpointAfterCutWarning",
+    "EstimateError",
     "ExplainedError",
     "Finding",
     "FreezeHandle",

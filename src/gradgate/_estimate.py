@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ._autograd import is_leaf, leaf_variable, observe_saved, tensors_in, walk
-from ._errors import BlockCallWarning, InvalidDepthError, InvalidOptionError
+from ._errors import BlockCallWarning, EstimateError, InvalidDepthError, InvalidOptionError
 from ._gate import BackpropGate
 from ._memory_plan import MemoryPlan, MemoryRow
 from ._select import Pattern, check_module
@@ -95,7 +95,7 @@ def estimate(
         ]
         args, kwargs = _fake_inputs((example_args, example_kwargs), mode, cast)
         measure = _Measure(twin, args, kwargs, state_copies, scalar_bytes)
-        rows = [measure.row(gate, plan) for plan in plans]
+        rows = [_explained(measure.row, gate, plan, model) for plan in plans]
     return MemoryPlan(
         type(model).__name__,
         rows,
@@ -103,6 +103,27 @@ def estimate(
         dtype=_dtype_name(model, cast),
         blocks=n,
     )
+
+
+def _explained(
+    row: Any, gate: BackpropGate, plan: int | frozenset[int | str], model: nn.Module
+) -> MemoryRow:
+    """``row(gate, plan)``; a forward that needs tensor values raises a clear error."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        return row(gate, plan)  # type: ignore[no-any-return]
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise EstimateError(
+            f"gg.estimate cannot plan {type(model).__name__}: its forward needs tensor values "
+            f"({error}: .item(), `if tensor:`, or a shape that depends on values such as "
+            "nonzero() or boolean indexing), and the forward runs on fake tensors, which have "
+            "shapes but no values. Make that part depend on shapes only, or measure a real step "
+            "on a small batch with gg.audit (report.totals['saved_bytes'])."
+        ) from error
 
 
 class _Measure:
@@ -275,9 +296,9 @@ def _depths_option(depths: Iterable[int] | None, n: int, *, default: bool) -> li
     for depth in chosen:
         if depth is None:
             raise InvalidDepthError(
-                "gg.estimate(depths=[None]): a row without a cut is a learning set; pass "
-                "learn=[{*range(n), 'embeddings'}] with the modules before the first block, "
-                f"or depth {n} for all {n} blocks."
+                f"gg.estimate(depths=[None]): expected integers 0..{n}; a row without a cut "
+                "is a learning set: pass learn=[{*range(n), 'embeddings'}] with the modules "
+                f"before the first block, or depth {n} for all {n} blocks."
             )
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= n:
             raise InvalidDepthError(
