@@ -71,7 +71,9 @@ def estimate(
     inputs may be real or ``meta`` tensors. ``dtype`` plans for parameters (and floating
     inputs) cast to it, e.g. ``"bf16"``; ``optimizer`` is one of ``"adamw"``, ``"adam"``,
     ``"sgd_momentum"`` or ``"sgd"``. Pass ``labels=`` to a transformers model to include its
-    loss. Each row's ``peak_bytes`` is params + grads + optimizer state + saved activations.
+    loss. ``blocks`` names the block sequence as for :class:`BackpropGate`. Each row's
+    ``peak_bytes`` is params + grads + optimizer state + saved activations (no workspace, no
+    optimizer temporaries: see docs/depth-fits.md). The model itself is never changed.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
@@ -93,7 +95,7 @@ def estimate(
             *_depths_option(depths, n, default=learn is None),
             *learn_sets,
         ]
-        args, kwargs = _fake_inputs((example_args, example_kwargs), mode, cast)
+        args, kwargs = _fake_inputs((example_args, example_kwargs), cast)
         measure = _Measure(twin, args, kwargs, state_copies, scalar_bytes)
         rows = [_explained(measure.row, gate, plan, model) for plan in plans]
     return MemoryPlan(
@@ -239,7 +241,9 @@ def _fake_like(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
     return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
 
-def _fake_inputs(value: Any, mode: Any, cast: torch.dtype | None) -> Any:
+def _fake_inputs(value: Any, cast: torch.dtype | None) -> Any:
+    """Every tensor in ``value`` as a fake CPU tensor of the same shape (``cast`` applied)."""
+
     def convert(leaf: Any) -> Any:
         return _fake_like(leaf, cast) if isinstance(leaf, torch.Tensor) else leaf
 
