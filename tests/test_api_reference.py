@@ -36,6 +36,8 @@ SECTIONS = [
     ("_transform", "How gradients are changed: transforms"),
     ("_capture", "Inner gradients: capture"),
     ("_audit", "What backward computed: audit"),
+    ("_estimate", "How deep can I afford: memory plans"),
+    ("_memory_plan", "How deep can I afford: memory plans"),
     ("_graph", "What the graph looks like: graph"),
     ("_check", "Classic mistakes: check and explain"),
     ("_explain", "Classic mistakes: check and explain"),

@@ -43,6 +43,9 @@ class Model(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+X = torch.randn(4, 3)  # an input for Model
+
+
 class Ctx:
     """A fresh model per case; the optimizer and a loss are made only when a case asks."""
 
@@ -95,6 +98,7 @@ MODEL_FUNCTIONS: list[tuple[str, Callable[[Any, Ctx], Any], str | None]] = [
     ("zero_grad_of", lambda m, c: gg.zero_grad_of(m, "head"), None),
     ("grad_transform", lambda m, c: gg.grad_transform(m, "head", torch.neg), None),
     ("audit", lambda m, c: gg.audit(m), None),
+    ("estimate", lambda m, c: gg.estimate(m, torch.randn(4, 3)), None),
     ("check", lambda m, c: gg.check(m), None),
     ("compile_blocks", lambda m, c: gg.compile_blocks(m), None),
     ("graph(model=)", lambda m, c: gg.graph(c.loss, model=m), None),
@@ -202,6 +206,12 @@ def _option_cases() -> list[Case]:
             "'x'",
         ),
         # freeze
+        # estimate
+        ("estimate-optimizer", lambda c: gg.estimate(m(c), X, optimizer="lion"), "'lion'"),
+        ("estimate-depths=[9]", lambda c: gg.estimate(m(c), X, depths=[9]), "9"),
+        ("estimate-depths=[None]", lambda c: gg.estimate(m(c), X, depths=[None]), "None"),
+        ("estimate-dtype", lambda c: gg.estimate(m(c), X, dtype="int8"), "'int8'"),
+        ("estimate-learn=3", lambda c: gg.estimate(m(c), X, learn=3), "3"),
         ("freeze-norm", lambda c: gg.freeze(m(c), "head", norm="frozen"), "'frozen'"),
         ("freeze-norm=None", lambda c: gg.freeze(m(c), "head", norm=None), "None"),
         ("unfreeze-optimizer=str", lambda c: gg.unfreeze(m(c), "head", optimizer="sgd"), "'sgd'"),
@@ -446,6 +456,8 @@ def test_every_public_callable_has_a_bad_input_case() -> None:
     }
     exempt = {  # results that gradgate hands back, not entry points
         "AuditReport",
+        "MemoryPlan",
+        "MemoryRow",
         "CaptureHandle",
         "Finding",
         "FreezeHandle",

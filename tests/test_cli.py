@@ -27,7 +27,9 @@ def test_bare_gradgate_prints_help_and_succeeds(capsys: pytest.CaptureFixture[st
     assert 'Run "gradgate COMMAND --help"' in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["plan", "--help"]]
+)
 def test_help_is_clean(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     status, out, _ = run(capsys, *argv)
     assert status == 0

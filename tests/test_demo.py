@@ -48,6 +48,7 @@ def test_demo_prints_the_numbers_and_the_answers(demo: tuple[str, Path, float]) 
     assert "computed 0 weight gradients, 0 input gradients and 0 backward FLOPs in the actor" in (
         stdout
     )
+    assert re.search(r"the largest depth that fits in 16 GiB is \d+ \(", stdout)
     ratio = re.search(r"random depth: ([\d.]+)x the backward FLOPs", stdout)
     assert ratio is not None and float(ratio.group(1)) < 1.0
     last = stdout.rstrip().splitlines()[-1]
@@ -71,7 +72,7 @@ def test_report_speaks_to_a_newcomer(demo: tuple[str, Path, float]) -> None:
         assert jargon not in visible, jargon
     assert "<dt>wgrad (weight gradient)</dt>" in text and "<dt>dgrad (input gradient)</dt>" in text
     assert text.count(">learning parameter</text>") == 1  # the graphs' legend, once
-    assert text.count("<pre><code>") == 1 + 5 + 1 + 3  # set-up, questions, training, answers
+    assert text.count("<pre><code>") == 1 + 5 + 1 + 4  # set-up, questions, training, answers
     levels = [int(level) for level in re.findall(r"<h([1-6])", text)]
     assert levels[0] == 1 and levels.count(1) == 1
     assert all(b <= a + 1 for a, b in itertools.pairwise(levels)), levels  # no level skipped

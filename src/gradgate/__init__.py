@@ -43,6 +43,10 @@ from ._capture import CaptureHandle, capture_grads
 # audit: what did backward compute?
 from ._audit import AuditReport, audit
 
+# estimate: how deep can I afford? memory per depth, planned on fake tensors
+from ._estimate import estimate
+from ._memory_plan import MemoryPlan, MemoryRow
+
 # graph: what does the graph look like?
 from ._graph import Graph, graph
 
@@ -59,6 +63,7 @@ from ._errors import (
     BlockCallError,
     BlockCallWarning,
     CheckpointAfterCutWarning,
+    EstimateError,
     ExplainedError,
     GradgateError,
     GradgateWarning,
@@ -111,6 +116,7 @@ __all__ = [
     "BlockCallWarning",
     "CaptureHandle",
     "CheckpointAfterCutWarning",
+    "EstimateError",
     "ExplainedError",
     "Finding",
     "FreezeHandle",
@@ -126,6 +132,8 @@ __all__ = [
     "InferenceTensorError",
     "InvalidDepthError",
     "InvalidOptionError",
+    "MemoryPlan",
+    "MemoryRow",
     "MissingExtraError",
     "NoBackwardWarning",
     "NoBlocksError",
@@ -150,6 +158,7 @@ __all__ = [
     "check",
     "clip_grad",
     "compile_blocks",
+    "estimate",
     "explain",
     "freeze",
     "frozen",

@@ -71,6 +71,10 @@ class NoGraphError(GradgateError):
     """The tensor given to :func:`graph` has no autograd graph to draw."""
 
 
+class EstimateError(GradgateError):
+    """:func:`estimate` cannot plan a model whose forward needs tensor values."""
+
+
 class ExplainedError(GradgateError):
     """A PyTorch autograd error, re-raised by :func:`explain` with its cause and fix."""
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
 
-from . import _bench, _demo
+from . import _bench, _demo, _plan_command
 from ._errors import GradgateError
 
 DESCRIPTION = "gradgate decides where gradients flow in a PyTorch model, and proves it."
@@ -30,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The one parser of ``gradgate``; ``demo`` and ``bench`` add their own sub-commands."""
+    """The one parser of ``gradgate``; each command (demo, bench, plan) adds its sub-command."""
     parser = _Parser(
         prog="gradgate",
         description=DESCRIPTION,
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _demo.add_command(commands)
     _bench.add_command(commands)
+    _plan_command.add_command(commands)
     return parser
 
 

@@ -2,7 +2,8 @@
 
 Sections: which gradients backward computes (conv stacks, audited and drawn); a real training
 run on scikit-learn's bundled digits, full backprop against a random depth per minibatch;
-three more questions (intermediate gradients, a frozen layer that still moves, actor-critic).
+four more questions (intermediate gradients, a frozen layer that still moves, actor-critic,
+which depth fits a GPU).
 """
 
 from __future__ import annotations

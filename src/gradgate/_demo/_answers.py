@@ -1,4 +1,4 @@
-"""Three more questions, each answered by running the code the report shows."""
+"""Four more questions, each answered by running the code the report shows."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class Answer:
     sentence: str
     doc: str
     report: gg.AuditReport | None = None
+    table_html: str = ""
 
 
 _INTERMEDIATE = """\
@@ -74,6 +75,18 @@ with gg.stop_gradient_at(pair, "critic"), gg.audit(pair) as report:  # the criti
 actor, critic = report.module("actor"), report.module("critic")
 """
 
+_DEPTH_FITS = """\
+import torch, gradgate as gg
+from torch import nn
+
+with torch.device("meta"):  # shapes only: no weight memory, nothing computed
+    layers = [nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True) for _ in range(24)]
+    net = nn.Sequential(nn.Sequential(*layers), nn.Linear(1024, 32000))
+tokens = torch.empty(8, 1024, 1024, device="meta")  # batch 8, sequence 1024, width 1024
+plan = gg.estimate(net, tokens, optimizer="adamw")
+depth = plan.fits("16GiB")
+"""
+
 
 def _intermediate_sentence(ns: dict[str, Any]) -> str:
     return (
@@ -103,6 +116,17 @@ def _actor_critic_sentence(ns: dict[str, Any]) -> str:
     )
 
 
+def _depth_fits_sentence(ns: dict[str, Any]) -> str:
+    plan, depth = ns["plan"], ns["depth"]
+    row, full = plan[depth], plan.rows[-1]
+    return (
+        f"Planned on fake tensors in seconds, with no weight memory: backprop through all "
+        f"{plan.blocks} blocks needs about {full.peak_bytes / 2**30:.1f} GiB, mostly "
+        f"activations saved for backward ({full.saved_bytes / 2**30:.1f} GiB); the largest "
+        f"depth that fits in 16 GiB is {depth} ({row.peak_bytes / 2**30:.1f} GiB)."
+    )
+
+
 _ANSWERS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
     (
         "How do I get the gradient of an intermediate tensor?",
@@ -122,6 +146,12 @@ _ANSWERS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
         _actor_critic_sentence,
         "questions/actor-critic.md",
     ),
+    (
+        "Which depth fits my GPU?",
+        _DEPTH_FITS,
+        _depth_fits_sentence,
+        "depth-fits.md",
+    ),
 ]
 
 
@@ -133,5 +163,7 @@ def answers() -> list[Answer]:
         namespace: dict[str, Any] = {"__name__": "gradgate_demo"}
         exec(compile(code, f"<gradgate demo: {question}>", "exec"), namespace)
         report = namespace.get("report")
-        found.append(Answer(question, code, sentence(namespace), doc, report))
+        plan = namespace.get("plan")
+        table = plan._repr_html_() if isinstance(plan, gg.MemoryPlan) else ""
+        found.append(Answer(question, code, sentence(namespace), doc, report, table))
     return found

@@ -103,6 +103,8 @@ def _answer_section(answer: Answer) -> str:
     parts = [f"<section class='more'><h3>{html.escape(answer.question)}</h3>", _code(answer.code)]
     if answer.report is not None:
         parts.append(html_table(answer.report))
+    if answer.table_html:
+        parts.append(answer.table_html)
     parts.append(f"<p class='answer'>{html.escape(answer.sentence)}</p>")
     parts.append(f"<p>More: {_doc_link(answer.doc)}</p></section>")
     return "".join(parts)
