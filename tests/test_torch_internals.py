@@ -302,3 +302,24 @@ def test_frozen_blocks_released_at_the_next_forward_without_the_engine_callback(
             assert layers == {"1"} and "model.embed_tokens.weight" in got
             _assert_equal(got, {name: want[name] for name in got})
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_estimate_without_fake_tensors_is_a_torch_version_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    gg.estimate(model, torch.randn(2, 4))  # this torch has them
+    monkeypatch.setattr(internals, "FAKE_TENSOR", "torch._no_fake_tensors_here")
+    with pytest.raises(
+        gg.TorchVersionError, match=r"gg\.estimate needs torch 2\.6.*FakeTensorMode"
+    ):
+        gg.estimate(model, torch.randn(2, 4))
+
+
+def test_estimate_uses_the_pytree_fallback_with_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    expected = gg.estimate(model, torch.randn(2, 4)).to_json()
+    monkeypatch.setattr(internals, "PYTREE", None)
+    assert gg.estimate(model, torch.randn(2, 4)).to_json() == expected

@@ -29,13 +29,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ._autograd import is_leaf, leaf_variable, observe_saved, tensors_in, walk
 from ._errors import BlockCallWarning, EstimateError, InvalidDepthError, InvalidOptionError
 from ._gate import BackpropGate
 from ._memory_plan import MemoryPlan, MemoryRow
 from ._select import Pattern, check_module
+from ._torch_internals import (
+    fake_tensor_mode,
+    tree_flatten,
+    tree_unflatten,
+    value_dependent_errors,
+)
 
 # Optimizer -> (state tensors shaped like each parameter, bytes of per-parameter scalars).
 _OPTIMIZER_STATE = {
@@ -85,7 +90,7 @@ def estimate(
     state_copies, scalar_bytes = _optimizer_option(optimizer)
     cast = _dtype_option(dtype)
     learn_sets = _learn_option(learn)
-    mode = _fake_mode()
+    mode = fake_tensor_mode()
     twin = _fake_twin(model, mode, cast)
     with mode, contextlib.ExitStack() as stack:
         gate = BackpropGate(twin, blocks)
@@ -111,14 +116,9 @@ def _explained(
     row: Any, gate: BackpropGate, plan: int | frozenset[int | str], model: nn.Module
 ) -> MemoryRow:
     """``row(gate, plan)``; a forward that needs tensor values raises a clear error."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-
     try:
         return row(gate, plan)  # type: ignore[no-any-return]
-    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+    except value_dependent_errors() as error:
         raise EstimateError(
             f"gg.estimate cannot plan {type(model).__name__}: its forward needs tensor values "
             f"({error}: .item(), `if tensor:`, or a shape that depends on values such as "
@@ -215,13 +215,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 # -- the fake twin -------------------------------------------------------------------------------
-def _fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Real tensors a module keeps outside its parameters and buffers become fake when used.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
 def _fake_twin(model: nn.Module, mode: Any, cast: torch.dtype | None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake CPU tensors (ties kept)."""
     memo: dict[int, Any] = {}
@@ -247,7 +240,8 @@ def _fake_inputs(value: Any, cast: torch.dtype | None) -> Any:
     def convert(leaf: Any) -> Any:
         return _fake_like(leaf, cast) if isinstance(leaf, torch.Tensor) else leaf
 
-    return tree_map(convert, value)
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([convert(leaf) for leaf in leaves], spec)
 
 
 # -- options -------------------------------------------------------------------------------------

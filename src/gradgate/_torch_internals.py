@@ -281,3 +281,22 @@ def can_skip_frames() -> bool:
 
 
 SKIPS_FRAMES = can_skip_frames()  # read by frames dynamo may trace: a constant it can fold
+
+
+# -- fake tensors: shapes and dtypes, no memory (gg.estimate) -----------------------------------
+FAKE_TENSOR = "torch._subclasses.fake_tensor"  # imported on first need: it is not light
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` that also takes the real tensors a module keeps outside its
+    parameters and buffers (they become fake when used)."""
+    mode = _lookup(FAKE_TENSOR, "FakeTensorMode")
+    if mode is None:
+        raise needs("gg.estimate", "FakeTensorMode")
+    return mode(allow_non_fake_inputs=True)
+
+
+def value_dependent_errors() -> tuple[type[Exception], ...]:
+    """What a fake forward raises when it needs tensor values (``.item()``, ``nonzero()``)."""
+    names = ("DataDependentOutputException", "DynamicOutputShapeException")
+    return tuple(e for e in (_lookup(FAKE_TENSOR, n) for n in names) if e is not None)
