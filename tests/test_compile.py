@@ -185,6 +185,20 @@ def _sequential_loss(run: Any) -> torch.Tensor:
     return run(torch.ones(4, 3)).pow(2).mean()
 
 
+_OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # the gate's hooks, by design
+
+
+def _compiled_per_block(first: int, total: int, breaks: dict[str, int], most: int = 3) -> None:
+    """No graph after the first pass over all depths and no graph break; where torch cannot skip
+    the gate's frames (2.6, 2.7), the gated forward runs eagerly instead: only the gate's own
+    breaks (the gradients are compared by the caller either way)."""
+    assert total == first <= most
+    if internals.SKIPS_FRAMES:
+        assert breaks == {}
+    else:
+        assert breaks and all(reason.startswith(_OPAQUE) for reason in breaks), breaks
+
+
 @pytest.mark.slow  # a subprocess or a compile: seconds
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_whole_model_compile_three_graphs_no_breaks_no_recompiles(backend: str) -> None:
@@ -194,8 +208,7 @@ def test_whole_model_compile_three_graphs_no_breaks_no_recompiles(backend: str) 
     first, total, breaks, caught = _whole_model_run(
         _sequential(), blocks, _sequential_loss, backend
     )
-    assert total == first <= 3  # no graph after the first pass over all depths
-    assert breaks == {}
+    _compiled_per_block(first, total, breaks)
     assert caught == []
 
 
@@ -207,8 +220,7 @@ def test_whole_model_compile_of_a_transformers_gpt2() -> None:
         return run(ids, labels=ids, use_cache=False).loss
 
     first, total, breaks, caught = _whole_model_run(tiny_gpt2(4), "transformer.h.*", loss, "eager")
-    assert total == first <= 3
-    assert breaks == {}
+    _compiled_per_block(first, total, breaks)
     assert all("a parameter shared by" in message for message in caught)  # the tied embedding
 
 
@@ -221,8 +233,8 @@ def test_whole_model_compile_keeps_the_fused_encoder_layer_exact() -> None:
     first, total, breaks, _ = _whole_model_run(
         model, "0.layers.*", lambda run: run(x).pow(2).mean(), "eager"
     )
-    assert 0 < total == first <= 3  # torch.nn's own forwards are compiled too
-    assert breaks == {}
+    assert total > 0 or not internals.SKIPS_FRAMES  # torch.nn's own forwards are compiled too
+    _compiled_per_block(first, total, breaks)
 
 
 @pytest.mark.slow  # a subprocess or a compile: seconds
@@ -232,8 +244,8 @@ def test_whole_model_compile_of_blocks_made_of_torch_nn_containers() -> None:
     first, total, breaks, caught = _whole_model_run(
         nn.Sequential(model, nn.Linear(3, 1)), "0.*", _sequential_loss, "eager"
     )
-    assert 0 < total == first <= 3
-    assert breaks == {}
+    assert total > 0 or not internals.SKIPS_FRAMES
+    _compiled_per_block(first, total, breaks)
     assert caught == []
 
 
@@ -263,7 +275,7 @@ def test_compile_after_the_gate_is_removed_sees_a_plain_model() -> None:
         gate.depth = 1
         torch.compile(model, backend="eager")(torch.ones(4, 3)).sum().backward()
         compiled_by_block = all("forward" in vars(block) for block in list(model)[1:5])
-        assert compiled_by_block == internals.SKIPS_FRAMES  # else eager (torch 2.6)
+        assert compiled_by_block == internals.SKIPS_FRAMES  # else eager (torch 2.6, 2.7)
     assert all("forward" not in vars(module) for module in model)
     from torch._dynamo.utils import counters
 
@@ -272,9 +284,6 @@ def test_compile_after_the_gate_is_removed_sees_a_plain_model() -> None:
     torch.compile(model, backend="eager")(torch.ones(4, 3)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert dict(counters["graph_break"]) == {}
-
-
-_OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # the gate's hooks, by design
 
 
 @pytest.mark.slow  # a subprocess or a compile: seconds
@@ -311,8 +320,10 @@ def test_hf_trainer_torch_compile_trains_like_eager(tmp_path) -> None:
     torch._dynamo.reset()
     counters.clear()
     compiled = train(compile=True)
-    assert counters["stats"]["unique_graphs"] <= 3
-    assert dict(counters["graph_break"]) == {}
+    breaks = dict(counters["graph_break"])
+    _compiled_per_block(
+        counters["stats"]["unique_graphs"], counters["stats"]["unique_graphs"], breaks
+    )
     for name, weight in eager.items():
         torch.testing.assert_close(compiled[name], weight, msg=name)
 
@@ -366,8 +377,9 @@ def test_compiled_before_the_gate_exists(root: str) -> None:
             _assert_same_grads(eager, model, depth)
     breaks = dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 3
-    if root == "nn.Sequential":
+    if root == "nn.Sequential" or not internals.SKIPS_FRAMES:
         assert list(breaks) == [reason for reason in breaks if reason.startswith(_OPAQUE)]
-        assert sum(breaks.values()) == 1
+        assert sum(breaks.values()) >= 1
+        assert sum(breaks.values()) == 1 or not internals.SKIPS_FRAMES
     else:
         assert breaks == {}

@@ -48,6 +48,7 @@ DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
 
 
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 FLOOR = "2.6"  # pyproject.toml's torch floor; docs/compatibility.md lists the releases tested
 
 
@@ -274,9 +275,12 @@ def skip_frames(*functions: Any) -> None:
 
 
 def can_skip_frames() -> bool:
-    """Whether dynamo can be told to skip a code object's own frame (torch 2.7 on: without
-    it, compiling a block's frame from the gate's eager code crashed torch 2.6)."""
+    """Whether dynamo can be told to skip a code object's own frame (torch 2.8 on: without
+    it, compiling a block's frame from the gate's eager code crashed torch 2.6; torch 2.7 has
+    the API, but a second compile after one with skipped frames crashed it)."""
     names = ("set_code_exec_strategy", "_FrameAction", "_FrameExecStrategy")
+    if TORCH_RELEASE < (2, 8):
+        return False
     return all(getattr(EVAL_FRAME, name, None) is not None for name in names)
 
 
