@@ -46,6 +46,15 @@ def test_driver_rejects_bad_arguments() -> None:
     driver.detach()
 
 
+def test_hf_callback_freeze_for_step_must_be_a_bool() -> None:
+    transformers_callback = pytest.importorskip("gradgate.integrations.transformers")
+    sched = gg.schedules.RandomDepth(N)
+    with pytest.raises(gg.InvalidOptionError, match=r"freeze_for_step='no'; expected True, Fa"):
+        transformers_callback.GateCallback(sched, freeze_for_step="no")  # type: ignore[arg-type]
+    for value in (None, True, False):
+        transformers_callback.GateCallback(sched, freeze_for_step=value)
+
+
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +94,7 @@ def add_missing(
     [0.1, 0.01]
     """
     _optimizer(optimizer)
+    _group_options(options)
     named = _named_pairs(model)
     holding = set(held(optimizer))
     missing: list[tuple[str, nn.Parameter]] = []
@@ -146,10 +148,9 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     96
     """
     _optimizer(optimizer)
-    if isinstance(params, nn.Module):
-        params = params.parameters()
+    going = _tensors(params)
     before = state_bytes(optimizer)
-    for param in params:
+    for param in going:
         optimizer.state.pop(param, None)
     return before - state_bytes(optimizer)
 
@@ -243,6 +244,34 @@ def _optimizer(value: object) -> torch.optim.Optimizer:
             "e.g. torch.optim.AdamW(model.parameters())."
         )
     return value
+
+
+def _tensors(params: object) -> list[torch.Tensor]:
+    """A module's parameters, or the tensors given; anything else is refused (a name is not)."""
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    found = None
+    if isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
+        found = list(params)
+    if found is None or not all(isinstance(p, torch.Tensor) for p in found):
+        raise InvalidOptionError(
+            f"params={params!r:.60} ({type(params).__name__}); expected a module or its "
+            "parameters, e.g. model.get_submodule('blocks.0') or "
+            "model.get_submodule('blocks.0').parameters()."
+        )
+    return found
+
+
+def _group_options(options: dict[str, Any]) -> None:
+    """Refuse the negative rates torch checks only when an optimizer is built, not per group."""
+    for option in ("lr", "weight_decay"):
+        if option in options:
+            value = options[option]
+            number = (
+                value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            )
+            if isinstance(number, bool) or not isinstance(number, Real) or not number >= 0:
+                raise InvalidOptionError(f"{option}={value!r}; expected a number >= 0.")
 
 
 def _positive(option: str, value: object) -> float:

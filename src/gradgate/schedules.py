@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from ._errors import InvalidOptionError
+from ._plan import Gate as _Gate
+from ._plan import Plan, sorted_items
 from ._validate import (
     check_choice,
     count_option,
@@ -43,88 +44,6 @@ __all__ = [
     "RandomDepth",
     "Schedule",
 ]
-
-
-class _Gate(Protocol):
-    @property
-    def blocks(self) -> list[str]: ...
-
-    depth: int | None
-    learn: Any
-    skip: Any
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one step trains: ``depth`` or ``learn`` (not both), and ``skip``.
-
-    ``depth=None`` with ``learn=None`` means no cut (every block learns). ``learn`` holds block
-    positions and/or module names; ``skip`` holds block positions that run with no graph while
-    the gradient passes around them (DropBP).
-
-    >>> Plan(learn=frozenset({1, 3})).learning(5)
-    frozenset({1, 3})
-    >>> Plan(depth=2, skip=frozenset({4})).metrics(5)
-    {'depth': 2, 'learning_blocks': 1, 'skipped_blocks': 1, 'learning_share': 0.2}
-    """
-
-    depth: int | None = None
-    learn: frozenset[int | str] | None = None
-    skip: frozenset[int] = field(default_factory=frozenset)
-
-    def __post_init__(self) -> None:
-        if self.depth is not None and self.learn is not None:
-            raise InvalidOptionError(
-                f"Plan(depth={self.depth!r}, learn={set(self.learn)!r}) sets both; expected "
-                "one of them (depth=k is learn={n-k, ..., n-1})."
-            )
-
-    def apply(self, gate: _Gate) -> None:
-        """Set this plan on a gate (one field write each); all of it or, on error, none."""
-        before = Plan(depth=gate.depth, learn=gate.learn, skip=gate.skip)
-        try:
-            self._write(gate)
-        except BaseException:
-            before._write(gate)
-            raise
-
-    def _write(self, gate: _Gate) -> None:
-        if self.learn is not None:
-            gate.learn = self.learn
-        else:
-            gate.depth = self.depth
-        gate.skip = self.skip
-
-    def learning(self, n: int) -> frozenset[int]:
-        """Positions of the blocks that get weight gradients in a model of ``n`` blocks."""
-        if self.learn is not None:
-            planned = {i % n for i in self.learn if isinstance(i, int)}
-        elif self.depth is not None:
-            planned = set(range(n - self.depth, n))
-        else:
-            planned = set(range(n))
-        return frozenset(planned - self.skip)
-
-    def metrics(self, n: int) -> dict[str, float]:
-        """Numbers to log for this plan: depth (for a depth plan), counts and learning share."""
-        learning = len(self.learning(n))
-        found: dict[str, float] = {} if self.depth is None else {"depth": self.depth}
-        found.update(
-            learning_blocks=learning,
-            skipped_blocks=len(self.skip),
-            learning_share=round(learning / n, 6),
-        )
-        return found
-
-    def __repr__(self) -> str:
-        parts = []
-        if self.learn is not None:
-            parts.append(f"learn={_sorted(self.learn)}")
-        else:
-            parts.append(f"depth={self.depth}")
-        if self.skip:
-            parts.append(f"skip={sorted(self.skip)}")
-        return f"Plan({', '.join(parts)})"
 
 
 class Schedule:
@@ -185,6 +104,13 @@ class Schedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the schedule must be built with the same configuration."""
+        keys = ("schedule", "config", "seed", "next_step")
+        missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+        if missing:
+            raise InvalidOptionError(
+                f"state={state!r:.80} lacks {missing}; expected the dict that "
+                f"{type(self).__name__}.state_dict() returned."
+            )
         expected = {"schedule": type(self).__name__, "config": self._config()}
         for key, value in expected.items():
             if state.get(key) != value:
@@ -193,8 +119,9 @@ class Schedule:
                     f"has {value!r}; build the schedule with the same arguments as the run "
                     "that saved the state."
                 )
-        self.seed = integer_option("seed", state["seed"])
+        seed = integer_option("seed", state["seed"])
         self.next_step = count_option("next_step", state["next_step"], low=0)
+        self.seed = seed
 
     # -- for subclasses ------------------------------------------------------------------------
     def _plan(self, step: int) -> Plan:
@@ -279,7 +206,7 @@ class LISA(Schedule):
         return frozenset(self._rng(step // self.every).sample(self._pool, self.k))
 
     def _config(self) -> dict[str, Any]:
-        return {"n": self.n, "k": self.k, "every": self.every, "always": _sorted(self.always)}
+        return {"n": self.n, "k": self.k, "every": self.every, "always": sorted_items(self.always)}
 
 
 class DropBP(Schedule):
@@ -444,7 +371,3 @@ def _spaced_stops(n: int, total: int, first: float, spacing: str) -> list[int]:
             fraction = (root + (1 - root) * along) ** 3
         stops.append(round(fraction * total))
     return stops
-
-
-def _sorted(items: Iterable[int | str]) -> list[int | str]:
-    return sorted(items, key=lambda v: (isinstance(v, str), v))  # type: ignore[return-value]

@@ -21,6 +21,7 @@ require("transformers", "transformers")
 
 from transformers import TrainerCallback  # noqa: E402
 
+from .._errors import InvalidOptionError  # noqa: E402
 from .._gate import BackpropGate  # noqa: E402
 from .._select import Pattern  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402
@@ -62,6 +63,11 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         freeze_for_step: bool | None = None,
     ) -> None:
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+        if freeze_for_step is not None and not isinstance(freeze_for_step, bool):
+            raise InvalidOptionError(
+                f"freeze_for_step={freeze_for_step!r}; expected True, False or None (None: "
+                "True when the model uses gradient checkpointing)."
+            )
         self._freeze_for_step = freeze_for_step
         self._deepspeed: Any = None  # LearnersOnly while the Trainer runs DeepSpeed
 
