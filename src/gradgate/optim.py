@@ -270,7 +270,7 @@ def _group_options(options: dict[str, Any]) -> None:
             number = (
                 value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
             )
-            if isinstance(number, bool) or not isinstance(number, Real) or not number >= 0:
+            if isinstance(number, bool) or not isinstance(number, Real) or not float(number) >= 0:
                 raise InvalidOptionError(f"{option}={value!r}; expected a number >= 0.")
 
 
