@@ -134,9 +134,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[torch.Tensor]) -> int:
     """Forget the optimizer state of ``params`` (a module or parameters); return bytes freed.
 
-    For parameters that will not learn again: their ``.grad`` stays ``None``, so the optimizer
-    skips them, and their moments are dead weight. Should one learn again, its state restarts
-    from zero, as for a new parameter.
+    For parameters that rest (or never learn again): their ``.grad`` is set to ``None``, so the
+    optimizer skips them even after ``zero_grad(set_to_none=False)``, and their moments are dead
+    weight. Should one learn again, its state restarts from zero, as for a new parameter.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 1))
@@ -152,6 +152,7 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     before = state_bytes(optimizer)
     for param in going:
         optimizer.state.pop(param, None)
+        param.grad = None  # a zero .grad (zero_grad(set_to_none=False)) would step it again
     return before - state_bytes(optimizer)
 
 
