@@ -251,6 +251,8 @@ def test_skipping_a_block_that_changes_shape_raises() -> None:
         ("learn", {"nope"}, "'nope' matches no module"),
         ("skip", {"blocks.1"}, "skip contains 'blocks.1' (str)"),
         ("learn", 3.0, "learn=3.0 is not a set"),
+        ("learn", {"blocks"}, "learn='blocks' names the container of the blocks"),
+        ("learn", {1, "blocks"}, "name the blocks themselves ('blocks.*', positions) or use depth"),
     ],
 )
 def test_bad_plans_are_rejected_and_the_plan_is_unchanged(
