@@ -391,15 +391,16 @@ class _Cut(Handle):
             warn_shared_straddles(before, after)
 
     def _warn_outside_call(self, position: int) -> None:
-        if self._learn is None or not torch.is_grad_enabled() or grad_held_off():
+        planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
+        if not planned or not torch.is_grad_enabled() or grad_held_off():
             return
         if torch._C._current_autograd_node() is not None:
             return  # activation checkpointing recomputing the block during backward
         self._warn_once(
             "outside",
             f"block {self._points[position][0]!r} ran outside a call of the gated "
-            f"{type(self._model).__name__}, so the cut does not apply to it and it learns "
-            "fully. Call the gated model itself, or gate the module you call.",
+            f"{type(self._model).__name__}, so the plan (depth, learn, skip) does not apply to "
+            "it: it learns fully. Call the gated model itself, or gate the module you call.",
         )
 
     def _warn_once(self, key: str, message: str) -> None:
