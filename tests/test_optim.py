@@ -282,3 +282,49 @@ def test_drop_state_of_a_frozen_block_keeps_it_still_without_a_gate() -> None:
     for p, q in zip(net.blocks[0].parameters(), still, strict=True):
         assert torch.equal(p, q)
     assert gg.optim.state_bytes(optimizer) == before
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.f(self.ln(x)))
+
+
+def normed_stack(n: int) -> nn.Module:
+    net = stack(n=n)
+    net.blocks = nn.ModuleList(Normed() for _ in range(n))
+    return net
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_lisa_always_names_of_blocks_and_of_modules_inside_blocks(hold: bool) -> None:
+    # always=["blocks.0", "blocks.*.ln"]: block 0 and every block's norm learn at every step,
+    # keep their AdamW state (Adam never restarts), and no draw is spent on block 0.
+    from gradgate.integrations import Driver
+
+    n, steps = 4, 9
+    net = normed_stack(n)
+    sched = gg.schedules.LISA(n, k=1, every=1, always=["blocks.0", "blocks.*.ln"], seed=2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    driver = Driver(sched, gg.BackpropGate(net, "blocks.*"), blocks=None, log=True, drop_state=True)
+    driver.attach(net)
+    driver.hold_frozen = hold  # as the trainer callbacks do under activation checkpointing
+    norms = [p for b in net.blocks for p in b.ln.parameters()]
+    for step in range(steps):
+        plan = driver.begin_step(step)
+        assert 0 in plan.learning(n) and len(plan.learning(n)) == 2, (step, plan)
+        assert all(p.requires_grad for p in [*net.blocks[0].parameters(), *norms])
+        net(torch.randn(4, 3)).pow(2).mean().backward()
+        assert all(p.grad is not None for p in [*net.blocks[0].parameters(), *norms])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        driver.end_step([optimizer], step + 1)
+    for p in [*net.blocks[0].parameters(), *norms]:
+        assert optimizer.state[p]["step"].item() == steps  # never dropped, never restarted
+    assert 0 not in sched.resting(steps)
+    driver.detach()
+    driver.gate.remove()

@@ -92,7 +92,9 @@ def test_resume_from_state_dict_continues_the_sequence(index: int) -> None:
     later = [resumed.apply(gate) for _ in range(300)]
     uninterrupted = copy.deepcopy(original)
     assert later == [uninterrupted.apply(gate) for _ in range(300)]
-    assert plans + later == [every_schedule(3)[index].plan(s) for s in range(600)]
+    fresh = every_schedule(3)[index]
+    fresh.apply(gate, 0)  # LISA looks its always=["0"] up on the gate: block 0, not a draw
+    assert plans + later == [fresh.plan(s) for s in range(600)]
     gate.remove()
 
 

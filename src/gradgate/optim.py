@@ -184,6 +184,7 @@ def drop_finished(
     2 888
     >>> gate.remove()
     """
+    schedule._bind(gate)
     finished = schedule.resting(step)
     if not finished:
         return 0
@@ -205,6 +206,8 @@ def drop_finished(
     staying += [p for p in model.parameters() if id(p) not in block_ids]
     for param in staying:
         going.pop(id(param), None)
+    for kept in getattr(gate, "_keep", ()):  # named learners inside blocks ("h.*.ln_1")
+        going.pop(kept, None)
     return drop_state(optimizer, going.values())
 
 

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from ._errors import InvalidOptionError
 from ._plan import Gate as _Gate
 from ._plan import Plan, sorted_items
+from ._select import resolve_modules
 from ._validate import (
     check_choice,
     count_option,
@@ -76,6 +77,7 @@ class Schedule:
                 f"{self!r} plans over {self.n} blocks but the gate has {blocks}; build the "
                 f"schedule with n={blocks} (len(gate.blocks))."
             )
+        self._bind(gate)
         step = self.next_step if step is None else step
         plan = self.plan(step)
         plan.apply(gate)
@@ -127,6 +129,9 @@ class Schedule:
     def _plan(self, step: int) -> Plan:
         raise NotImplementedError
 
+    def _bind(self, gate: Any) -> None:
+        """Look up what depends on the gated model (LISA: ``always`` names that are blocks)."""
+
     def _config(self) -> dict[str, Any]:
         return {"n": self.n}
 
@@ -168,7 +173,11 @@ class LISA(Schedule):
     """LISA: ``k`` random blocks learn, resampled every ``every`` steps; ``always`` learn too.
 
     ``always`` holds block positions and/or module names (the embeddings, e.g.
-    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. What runs after
+    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. Names of blocks
+    (``"model.layers.0"``) count as their positions once the schedule has seen the gate (the
+    first :meth:`apply`): no draw is spent on them and their optimizer state is kept; modules
+    named inside blocks (``"model.layers.*.input_layernorm"``) learn at every step and keep
+    their state too. What runs after
     the last block (the head) learns anyway. Blocks between the earliest learner and the head
     that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
     :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
@@ -193,11 +202,31 @@ class LISA(Schedule):
         super().__init__(n, seed=seed)
         self.every = count_option("every", every, low=1)
         self.always = learn_items_option("always", always, self.n)
+        self._always = self.always  # names that are blocks become positions in _bind
+        self._bound: Any = None
         self._pool = [i for i in range(self.n) if i not in self.always]
         self.k = count_option("k", k, low=0, high=len(self._pool))
 
     def _plan(self, step: int) -> Plan:
-        return Plan(learn=self._drawn(step) | self.always)
+        return Plan(learn=self._drawn(step) | self._always)
+
+    def _bind(self, gate: Any) -> None:
+        """Names in ``always`` that are blocks learn as those positions: no draw is spent on
+        them, their state is never dropped, and ``Plan.learning`` counts them."""
+        model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
+        if model is None or points is None or self._bound is model:
+            return
+        by_id = {id(m): i for i, (_, m) in enumerate(points)}
+        always: set[int | str] = set()
+        for item in self.always:
+            found = resolve_modules(model, [item]) if isinstance(item, str) else []
+            if found and all(id(m) in by_id for _, m in found):
+                always.update(by_id[id(m)] for _, m in found)
+            else:
+                always.add(item)
+        pool = [i for i in range(self.n) if i not in always]
+        count_option("k", self.k, low=0, high=len(pool))  # before changing anything
+        self._always, self._pool, self._bound = frozenset(always), pool, model
 
     def resting(self, step: int) -> frozenset[int]:
         return frozenset(self._pool) - self._drawn(count_option("step", step, low=0))

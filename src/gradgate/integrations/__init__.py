@@ -122,6 +122,7 @@ class Driver:
         in_blocks = {id(p) for _, m in points for p in m.parameters()}
         needed = {id(p) for p in self.gate._model.parameters() if id(p) not in in_blocks}
         needed |= {id(p) for i in learning for p in points[i][1].parameters()}
+        needed |= self.gate._keep  # modules named in the plan that lie inside blocks
         for position, (_, module) in enumerate(points):
             if position in learning:
                 continue
