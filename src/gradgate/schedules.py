@@ -177,7 +177,13 @@ class LISA(Schedule):
     (``"model.layers.0"``) count as their positions once the schedule has seen the gate (the
     first :meth:`apply`): no draw is spent on them and their optimizer state is kept; modules
     named inside blocks (``"model.layers.*.input_layernorm"``) learn at every step and keep
-    their state too. What runs after
+    their state too.
+
+    **Unlike LISA's Algorithm 1 and LMFlow, the embeddings do not learn by default**: only
+    what runs after the last block does. gradgate's default lets the backward stop at the
+    earliest drawn block (no graph, no backward below it). For the paper's method name every
+    module that runs before the blocks: ``always=["model.embed_tokens"]`` (Llama),
+    ``always=["transformer.wte", "transformer.wpe"]`` (GPT-2: the position embedding too). What runs after
     the last block (the head) learns anyway. Blocks between the earliest learner and the head
     that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
     :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
