@@ -183,8 +183,9 @@ class LISA(Schedule):
     what runs after the last block does. gradgate's default lets the backward stop at the
     earliest drawn block (no graph, no backward below it). For the paper's method name every
     module that runs before the blocks: ``always=["model.embed_tokens"]`` (Llama),
-    ``always=["transformer.wte", "transformer.wpe"]`` (GPT-2: the position embedding too). What runs after
-    the last block (the head) learns anyway. Blocks between the earliest learner and the head
+    ``always=["transformer.wte", "transformer.wpe"]`` (GPT-2: the position embedding too).
+
+    Blocks between the earliest learner and the head
     that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
     :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
     blocks that were not drawn again, as LMFlow's LISA does.
