@@ -263,3 +263,32 @@ def test_bad_plans_are_rejected_and_the_plan_is_unchanged(
         setattr(gate, field, value)
     assert gate.depth == 2 and gate.skip == frozenset()
     gate.remove()
+
+
+@pytest.mark.parametrize("plans", [({0}, {3}), ({3}, {0}), ({1, 2}, {2}), ({4}, {0, 4})])
+def test_two_forwards_with_different_learning_sets_then_one_backward(plans) -> None:
+    # Micro-batches with their own plans and one backward of the summed loss: each block gets
+    # the gradient of the forwards in which it learned (plain autograd on the unmodified model).
+    torch.manual_seed(0)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(3, 3, dtype=torch.float64) for _ in plans]
+    gate = gg.BackpropGate(model, "blocks.*")
+    losses = []
+    for learn, x in zip(plans, xs, strict=True):
+        gate.learn = learn
+        losses.append(model(x).pow(2).sum())
+    sum(losses).backward()
+    gate.remove()
+    for i in range(N):
+        params = list(reference.blocks[i].parameters())
+        expected = [torch.zeros_like(p) for p in params]
+        for learn, x in zip(plans, xs, strict=True):
+            if i in learn:
+                grads = torch.autograd.grad(reference(x).pow(2).sum(), params)
+                expected = [e + g for e, g in zip(expected, grads, strict=True)]
+        if not any(i in learn for learn in plans):
+            assert all(p.grad is None for p in model.blocks[i].parameters()), i
+            continue
+        for p, e in zip(model.blocks[i].parameters(), expected, strict=True):
+            torch.testing.assert_close(p.grad, e, msg=f"block {i}")

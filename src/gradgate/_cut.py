@@ -11,12 +11,12 @@ Changing the plan is a field write: no hook is added or removed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-from ._autograd import tensors_in
 from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
@@ -43,6 +43,7 @@ from ._frames import (
 )
 from ._fsdp import FsdpPlan
 from ._handles import Handle
+from ._held import HeldFrozen
 from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
@@ -82,7 +83,7 @@ class _Cut(Handle):
         self._stacks = Stacks(model, points)
         self._shared = shared_parameter_owners(model)
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
-        self._held: list[nn.Parameter] = []
+        self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
@@ -157,8 +158,8 @@ class _Cut(Handle):
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
         self._fsdp.before_forward()
-        if self._held and not any(f.gate is self for f in open_frames()):
-            self._release()  # the last forward had no backward that reached its output
+        if self._held.params and not any(f.gate is self for f in open_frames()):
+            self._held.release()  # the last forward had no backward that reached its output
         if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
             from .distributed import calling_ddp, require_find_unused_parameters
 
@@ -189,8 +190,10 @@ class _Cut(Handle):
         if frame is None:
             return
         held, frame.held = frame.held, []
-        if held:
-            self._hold_until_backward(held, output)
+        if frame.blocking and frame.opened and torch.is_grad_enabled():
+            self._held.hold(held, output, self._learners(frame))
+        elif held:
+            self._held.hold(held, output, ())
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
         nothing_learns = (
             frame.blocking
@@ -352,6 +355,14 @@ class _Cut(Handle):
     def _learns(self, position: int) -> bool:
         return self._learn is not None and position in self._learn
 
+    def _learners(self, frame: Frame) -> Iterable[nn.Parameter]:
+        """Parameters this forward's graph gives gradients to that a later forward may freeze."""
+        for position in frame.ran:
+            if self._learns(position) and position not in self._skip:
+                yield from self._points[position][1].parameters()
+        for module in self._extra:
+            yield from module.parameters()
+
     def _own_frame(self) -> Frame | None:
         for frame in reversed(open_frames()):
             if frame.gate is self:
@@ -408,32 +419,6 @@ class _Cut(Handle):
             self._warned.add(key)
             warn(message, BlockCallWarning)
 
-    def _hold_until_backward(self, params: list[nn.Parameter], output: Any) -> None:
-        """Keep blocks that ran frozen looking frozen until backward is done with this graph.
-
-        Activation checkpointing recomputes a block's forward during backward, with no module
-        hook around it; it must see the same ``requires_grad`` as the forward did.
-        """
-        self._held.extend(params)
-        graph = [t for t in tensors_in(output) if t.requires_grad]
-        if not graph:
-            self._release()
-            return
-        queued: list[bool] = []
-
-        def at_backward(grad: torch.Tensor) -> None:
-            if not queued:
-                queued.append(True)
-                torch.autograd.Variable._execution_engine.queue_callback(self._release)
-
-        for tensor in graph:
-            tensor.register_hook(at_backward)
-
-    def _release(self) -> None:
-        held, self._held = self._held, []
-        for param in held:
-            param.requires_grad_(True)
-
     def _close_own_frames(self) -> None:
         for frame in [f for f in open_frames() if f.gate is self]:
             close_frame(frame)
@@ -441,7 +426,7 @@ class _Cut(Handle):
     def _remove_hooks(self) -> None:
         self._close_own_frames()
         self._guard.uninstall()
-        self._release()
+        self._held.backward_done()
         self._hooks.remove()
         self._extra_hooks.remove()
         self._stale_grads.remove()
