@@ -292,3 +292,58 @@ def test_two_forwards_with_different_learning_sets_then_one_backward(plans) -> N
             continue
         for p, e in zip(model.blocks[i].parameters(), expected, strict=True):
             torch.testing.assert_close(p.grad, e, msg=f"block {i}")
+
+
+class Gapped(nn.Module):
+    """Code between blocks, in the root's forward: a parameter and a norm applied there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(N))
+        self.scale = nn.Parameter(torch.full((6,), 1.5))
+        self.mid = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = h + torch.tanh(block(h))
+            h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        return self.head(h)
+
+    def cut_by_hand(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.embed(x)
+            for i in range(first):
+                h = h + torch.tanh(self.blocks[i](h))
+                h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        for i in range(first, N):
+            h = h + torch.tanh(self.blocks[i](h))
+            h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        return self.head(h)
+
+
+@pytest.mark.parametrize("plan", [{"depth": 3}, {"depth": 2}, {"learn": {2, 4}}, {"learn": {3}}])
+def test_code_between_the_cut_off_blocks_and_the_first_learner_does_not_learn(plan) -> None:
+    # README: a cut is a point before which no graph is recorded; at depth k it is the input of
+    # the first learning block, so a scale or norm applied just before it neither learns nor
+    # saves activations (the hand-written cut: that code under no_grad).
+    torch.manual_seed(0)
+    model = Gapped().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        for field, value in plan.items():
+            setattr(gate, field, value)
+        model(x).sum()  # a first forward shows that `mid` runs between blocks, not after them
+        model(x).pow(2).sum().backward()
+    learning = set(range(N - plan["depth"], N)) if "depth" in plan else plan["learn"]
+    first = min(learning)
+    reference.cut_by_hand(x, first).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        if (block is not None and block not in learning) or q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -54,6 +54,9 @@ from ._validate import check_choice
 PrefixMode = Literal["keep", "eval", "train"]
 
 
+_GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
+
+
 class _Cut(Handle):
     """Hooks on a root module and its blocks; the plan says which blocks learn or skip."""
 
@@ -83,6 +86,8 @@ class _Cut(Handle):
         self._stacks = Stacks(model, points)
         self._shared = shared_parameter_owners(model)
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
+        self._in_blocks = frozenset(id(p) for _, m in points for p in m.parameters())
+        self._gap_modules: set[int] = set()  # outside modules seen running between blocks
         self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
@@ -226,12 +231,14 @@ class _Cut(Handle):
                 "run after the cut without learning pass gradients but get none). Pass "
                 "blocks=[...] in the order they run if that is what you meant.",
             )
+        self._gap_modules.update(frame.gap_calls)  # these ran between blocks
+        frame.gap_calls.clear()
         frame.last_position = max(frame.last_position, position)
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
             if learns:
-                frame.tentative = None
+                self._end_gap(frame)
             else:
                 self._close_again(frame)
         if learns and position not in self._skip:
@@ -277,12 +284,20 @@ class _Cut(Handle):
         if frame.blocking and not frame.opened and self._opens_after(position):
             frame.tentative = position
             self._open(frame)
+            if position < self._first_opener() < len(self._points) and _GAP not in frame.frozen:
+                # grad on for checkpoint(), yet the code before the learner records nothing
+                frame.frozen[_GAP] = freeze_for_call(self._model, self._keep | self._in_blocks)
         return replaced
+
+    def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
+        frame.tentative = tentative
+        for param in frame.frozen.pop(_GAP, ()):
+            param.requires_grad_(True)
 
     def _enter_extra(self, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
-            frame.tentative = None
+            self._end_gap(frame)
             self._open(frame)
 
     def _enter_outside(self, index: int, module: nn.Module, args: Any) -> None:
@@ -297,6 +312,10 @@ class _Cut(Handle):
         if frame is None:
             return
         frame.outside_calls.append((index, len(frame.stacks_ran)))
+        if _GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
+            frame.gap_calls.append(index)
+            if index not in self._gap_modules:
+                self._end_gap(frame, frame.tentative)
         if frame.blocking and not frame.opened:
             stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
             if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):
@@ -319,11 +338,9 @@ class _Cut(Handle):
     def _opens_after(self, position: int) -> bool:
         """Whether the cut opens, for now, right after this non-learning block.
 
-        It does inside the stack (the container) of the first learner, or of the last block when
-        only what runs after the blocks learns: the next non-learning block of the stack closes
-        it again, a learner keeps it open. So the code between blocks (where a learner may be
-        called through ``checkpoint()``) sees grad on, and blocks skipped by LayerDrop cannot
-        keep the cut shut.
+        It does inside the stack of the first learner (of the last block when only what runs
+        after the blocks learns); the next non-learner closes it again. So a learner called
+        through ``checkpoint()`` sees grad on, and LayerDrop cannot keep the cut shut.
         """
         assert self._learn is not None
         first = min(self._first_opener(), len(self._points) - 1)
