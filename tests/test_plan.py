@@ -347,3 +347,73 @@ def test_code_between_the_cut_off_blocks_and_the_first_learner_does_not_learn(pl
             assert p.grad is None, name
         else:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+LEARN_ITEMS = [
+    *range(N),
+    *(f"blocks.{i}" for i in range(N)),
+    "blocks.2.f",  # the whole inside of block 2
+    "blocks.3.f.0",  # one layer inside block 3
+    "blocks.*.f.0",  # that layer in every block
+    "embed",
+    "blocks",  # the container: refused
+]
+
+
+def _learners(model: Net, items: set) -> set[str]:
+    """Parameter names a learning set trains (the semantics, written out): named blocks and
+    modules, and the head (it runs after the last block)."""
+    names = {"head.weight", "head.bias"}
+    for item in items:
+        prefix = f"blocks.{item}." if isinstance(item, int) else f"{item}."
+        names |= {n for n, _ in model.named_parameters() if n.startswith(prefix)}
+        if item == "blocks.*.f.0":
+            names |= {n for n, _ in model.named_parameters() if ".f.0." in n}
+    return names
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plans=st.lists(
+        st.sets(st.sampled_from(LEARN_ITEMS), min_size=1, max_size=3), min_size=1, max_size=3
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_forwards_with_learning_sets_of_positions_and_names_then_one_backward(
+    plans: list[set], seed: int
+) -> None:
+    # Several forwards, each with its own learning set (positions, names of blocks, of modules
+    # inside blocks, of the container), then one backward of the summed loss: every parameter
+    # gets the sum of the plain-autograd gradients of the forwards in which it learned.
+    torch.manual_seed(seed)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(3, 3, dtype=torch.float64) for _ in plans]
+    gate = gg.BackpropGate(model, "blocks.*")
+    losses, used = [], []
+    for items, x in zip(plans, xs, strict=True):
+        if "blocks" in items:
+            before = gate.learn
+            with pytest.raises(gg.InvalidDepthError, match="names the container of the blocks"):
+                gate.learn = items
+            assert gate.learn == before
+            continue
+        gate.learn = items
+        losses.append(model(x).pow(2).sum())
+        used.append((items, x))
+    if losses:
+        sum(losses).backward()
+    gate.remove()
+    assert all(p.requires_grad for p in model.parameters())
+    params = dict(reference.named_parameters())
+    expected: dict[str, torch.Tensor] = {}
+    for items, x in used:
+        names = sorted(_learners(reference, items))
+        grads = torch.autograd.grad(reference(x).pow(2).sum(), [params[n] for n in names])
+        for name, grad in zip(names, grads, strict=True):
+            expected[name] = expected.get(name, 0) + grad
+    for name, param in model.named_parameters():
+        if name not in expected:
+            assert param.grad is None, name
+        else:
+            torch.testing.assert_close(param.grad, expected[name], msg=name)
