@@ -309,6 +309,31 @@ def _option_cases() -> list[Case]:
         ("add_missing-optimizer=str", lambda c: gg.optim.add_missing("sgd", m(c)), "'sgd'"),
         ("drop_state-optimizer=str", lambda c: gg.optim.drop_state("sgd", m(c)), "'sgd'"),
         ("state_bytes-optimizer=str", lambda c: gg.optim.state_bytes("sgd"), "'sgd'"),
+        (
+            "drop_state-params=str",
+            lambda c: gg.optim.drop_state(c.optimizer, "blocks.0"),
+            "'blocks.0'",
+        ),
+        ("drop_state-params=None", lambda c: gg.optim.drop_state(c.optimizer, None), "None"),
+        ("drop_state-params=int-list", lambda c: gg.optim.drop_state(c.optimizer, [3]), "3"),
+        ("add_missing-lr=-0.1", lambda c: gg.optim.add_missing(c.optimizer, m(c), lr=-0.1), "-0.1"),
+        (
+            "add_missing-weight_decay=-1",
+            lambda c: gg.optim.add_missing(c.optimizer, m(c), weight_decay=-1.0),
+            "-1",
+        ),
+        (
+            "Schedule.load_state_dict-None",
+            lambda c: gg.schedules.LISA(4).load_state_dict(None),
+            "None",
+        ),
+        (
+            "Schedule.load_state_dict-partial",
+            lambda c: gg.schedules.LISA(4).load_state_dict(
+                {"schedule": "LISA", "config": gg.schedules.LISA(4)._config()}
+            ),
+            "'next_step'",
+        ),
         # distributed
         ("allreduce_trained-not-ddp", lambda c: gg.distributed.allreduce_trained(m(c)), "Model"),
         ("check_same_plan-key=str", lambda c: gg.distributed.check_same_plan("x"), "'x'"),

@@ -46,6 +46,15 @@ def test_driver_rejects_bad_arguments() -> None:
     driver.detach()
 
 
+def test_hf_callback_freeze_for_step_must_be_a_bool() -> None:
+    transformers_callback = pytest.importorskip("gradgate.integrations.transformers")
+    sched = gg.schedules.RandomDepth(N)
+    with pytest.raises(gg.InvalidOptionError, match=r"freeze_for_step='no'; expected True, Fa"):
+        transformers_callback.GateCallback(sched, freeze_for_step="no")  # type: ignore[arg-type]
+    for value in (None, True, False):
+        transformers_callback.GateCallback(sched, freeze_for_step=value)
+
+
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
 
@@ -241,6 +250,64 @@ def test_hf_non_reentrant_gradient_checkpointing(tmp_path: Path, schedule) -> No
         assert record["moved"] == learning
         assert record["held"] == set(range(N)) - learning  # frozen for the whole step
     assert all(p.requires_grad for p in model.parameters())  # given back at the end
+
+
+class Interrupt(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == 2:
+            raise KeyboardInterrupt
+
+
+def gradgate_hooks(model: nn.Module) -> list:
+    hooks = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                hooks += [h for h in value.values() if "gradgate" in repr(h)]
+                hooks += [h for h in value.values() if "gradgate" in getattr(h, "__module__", "")]
+    return hooks
+
+
+@hf_test
+@pytest.mark.parametrize("late", [False, True], ids=["in-Trainer", "add_callback+put_first"])
+def test_hf_keyboard_interrupt_inside_train_leaves_no_trace(tmp_path: Path, late: bool) -> None:
+    # transformers has no exception event: the callback wraps trainer.train to clean up.
+    model = tiny_llama()
+    schedule = gg.schedules.LISA(N, k=1, every=1, seed=2)
+    callback = gg.integrations.transformers.GateCallback(schedule)
+    args = trainer_args(
+        tmp_path,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    callbacks = [Interrupt()] if late else [callback, Interrupt()]
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=callbacks
+    )
+    if late:
+        trainer.add_callback(callback)
+        callback.put_first(trainer)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert callback.gate is None and gradgate_hooks(model) == []
+    assert all(p.requires_grad for p in model.parameters())
+    model.zero_grad()
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    assert all(p.grad is not None for p in model.model.layers.parameters())
+
+
+@hf_test
+def test_hf_callback_refuses_a_gate_on_a_model_the_trainer_does_not_train(tmp_path) -> None:
+    other = tiny_llama()
+    gate = gg.BackpropGate(other)
+    callback = gg.integrations.transformers.GateCallback(gg.schedules.RandomDepth(N), gate)
+    with pytest.raises(gg.InvalidOptionError, match=r"gate is on a LlamaForCausalLM that the T"):
+        train_hf(tiny_llama(), callback, tmp_path, steps=1, accumulate=1)
+    assert gate.depth is None
+    gate.remove()
 
 
 # -- Lightning Trainer -------------------------------------------------------------------------

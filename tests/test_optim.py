@@ -206,3 +206,125 @@ def test_add_missing_from_named_parameters_only() -> None:
     assert gg.optim.add_missing(optimizer, pairs) == []
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert id(net.blocks[0].weight) not in held and id(net.blocks[1].weight) in held
+
+
+def adamw_reference(net, sched, steps: int, inputs, *, lr=0.01, wd=0.1) -> None:
+    """LISA by hand: plain autograd, AdamW on the learners only, resting blocks' state reset."""
+    betas, eps = (0.9, 0.999), 1e-8
+    state: dict[int, list] = {}
+    n = sched.n
+    for step in range(steps):
+        learning = sched.plan(step).learning(n)
+        params = [p for i in sorted(learning) for p in net.blocks[i].parameters()]
+        params += list(net.head.parameters())  # the embedding is before the cut
+        grads = torch.autograd.grad(net(inputs[step]).pow(2).mean(), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                t, m, v = state.get(id(p), [0, torch.zeros_like(p), torch.zeros_like(p)])
+                t += 1
+                m = betas[0] * m + (1 - betas[0]) * g
+                v = betas[1] * v + (1 - betas[1]) * g * g
+                p.mul_(1 - lr * wd)
+                mhat, vhat = m / (1 - betas[0] ** t), v / (1 - betas[1] ** t)
+                p.sub_(lr * mhat / (vhat.sqrt() + eps))
+                state[id(p)] = [t, m, v]
+        for i in sched.resting(step + 1):
+            for p in net.blocks[i].parameters():
+                state.pop(id(p), None)
+
+
+def test_dropped_state_stays_dropped_under_zero_grad_set_to_none_false() -> None:
+    # zero_grad(set_to_none=False) keeps a zero .grad: AdamW would step a resting block (weight
+    # decay, old moments) and make its state again unless drop_state leaves .grad None.
+    n, steps = 4, 8
+    net = stack(n=n).double()
+    reference = copy.deepcopy(net)
+    inputs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(steps)]
+    sched = gg.schedules.LISA(n, k=1, every=2, seed=1)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+    with gg.BackpropGate(net, "blocks.*") as gate:
+        for step in range(steps):
+            sched.apply(gate, step)
+            net(inputs[step]).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            gg.optim.drop_finished(optimizer, gate, sched, step + 1)
+            for i in sched.resting(step + 1):
+                assert all(p.grad is None for p in net.blocks[i].parameters())
+    adamw_reference(reference, sched, steps, inputs)
+    for (name, a), b in zip(net.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    learners = [p for i in sched.plan(steps - 1).learning(n) for p in net.blocks[i].parameters()]
+    learners += list(net.head.parameters())
+    held = {id(p) for p in optimizer.state}
+    assert held == {id(p) for p in learners} - {
+        id(p) for i in sched.resting(steps) for p in net.blocks[i].parameters()
+    }
+
+
+def test_drop_state_of_a_frozen_block_keeps_it_still_without_a_gate() -> None:
+    # No gate guards the step here: only drop_state's .grad = None keeps AdamW's weight decay
+    # from moving the block and from making its state again (the issue's 80 -> 664 bytes).
+    net = stack(n=2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+    net(torch.randn(4, 3)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    net.blocks[0].requires_grad_(False)
+    freed = gg.optim.drop_state(optimizer, net.blocks[0])
+    assert freed == 2 * param_bytes(net.blocks[0].parameters()) + 2 * 4
+    still = [p.detach().clone() for p in net.blocks[0].parameters()]
+    before = gg.optim.state_bytes(optimizer)
+    for _ in range(3):
+        net(torch.randn(4, 3)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    for p, q in zip(net.blocks[0].parameters(), still, strict=True):
+        assert torch.equal(p, q)
+    assert gg.optim.state_bytes(optimizer) == before
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.f(self.ln(x)))
+
+
+def normed_stack(n: int) -> nn.Module:
+    net = stack(n=n)
+    net.blocks = nn.ModuleList(Normed() for _ in range(n))
+    return net
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_lisa_always_names_of_blocks_and_of_modules_inside_blocks(hold: bool) -> None:
+    # always=["blocks.0", "blocks.*.ln"]: block 0 and every block's norm learn at every step,
+    # keep their AdamW state (Adam never restarts), and no draw is spent on block 0.
+    from gradgate.integrations import Driver
+
+    n, steps = 4, 9
+    net = normed_stack(n)
+    sched = gg.schedules.LISA(n, k=1, every=1, always=["blocks.0", "blocks.*.ln"], seed=2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    driver = Driver(sched, gg.BackpropGate(net, "blocks.*"), blocks=None, log=True, drop_state=True)
+    driver.attach(net)
+    driver.hold_frozen = hold  # as the trainer callbacks do under activation checkpointing
+    norms = [p for b in net.blocks for p in b.ln.parameters()]
+    for step in range(steps):
+        plan = driver.begin_step(step)
+        assert 0 in plan.learning(n) and len(plan.learning(n)) == 2, (step, plan)
+        assert all(p.requires_grad for p in [*net.blocks[0].parameters(), *norms])
+        net(torch.randn(4, 3)).pow(2).mean().backward()
+        assert all(p.grad is not None for p in [*net.blocks[0].parameters(), *norms])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        driver.end_step([optimizer], step + 1)
+    for p in [*net.blocks[0].parameters(), *norms]:
+        assert optimizer.state[p]["step"].item() == steps  # never dropped, never restarted
+    assert 0 not in sched.resting(steps)
+    driver.detach()
+    driver.gate.remove()

@@ -251,6 +251,8 @@ def test_skipping_a_block_that_changes_shape_raises() -> None:
         ("learn", {"nope"}, "'nope' matches no module"),
         ("skip", {"blocks.1"}, "skip contains 'blocks.1' (str)"),
         ("learn", 3.0, "learn=3.0 is not a set"),
+        ("learn", {"blocks"}, "learn='blocks' names the container of the blocks"),
+        ("learn", {1, "blocks"}, "name the blocks themselves ('blocks.*', positions) or use depth"),
     ],
 )
 def test_bad_plans_are_rejected_and_the_plan_is_unchanged(
@@ -261,3 +263,157 @@ def test_bad_plans_are_rejected_and_the_plan_is_unchanged(
         setattr(gate, field, value)
     assert gate.depth == 2 and gate.skip == frozenset()
     gate.remove()
+
+
+@pytest.mark.parametrize("plans", [({0}, {3}), ({3}, {0}), ({1, 2}, {2}), ({4}, {0, 4})])
+def test_two_forwards_with_different_learning_sets_then_one_backward(plans) -> None:
+    # Micro-batches with their own plans and one backward of the summed loss: each block gets
+    # the gradient of the forwards in which it learned (plain autograd on the unmodified model).
+    torch.manual_seed(0)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(3, 3, dtype=torch.float64) for _ in plans]
+    gate = gg.BackpropGate(model, "blocks.*")
+    losses = []
+    for learn, x in zip(plans, xs, strict=True):
+        gate.learn = learn
+        losses.append(model(x).pow(2).sum())
+    sum(losses).backward()
+    gate.remove()
+    for i in range(N):
+        params = list(reference.blocks[i].parameters())
+        expected = [torch.zeros_like(p) for p in params]
+        for learn, x in zip(plans, xs, strict=True):
+            if i in learn:
+                grads = torch.autograd.grad(reference(x).pow(2).sum(), params)
+                expected = [e + g for e, g in zip(expected, grads, strict=True)]
+        if not any(i in learn for learn in plans):
+            assert all(p.grad is None for p in model.blocks[i].parameters()), i
+            continue
+        for p, e in zip(model.blocks[i].parameters(), expected, strict=True):
+            torch.testing.assert_close(p.grad, e, msg=f"block {i}")
+
+
+class Gapped(nn.Module):
+    """Code between blocks, in the root's forward: a parameter and a norm applied there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(N))
+        self.scale = nn.Parameter(torch.full((6,), 1.5))
+        self.mid = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = h + torch.tanh(block(h))
+            h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        return self.head(h)
+
+    def cut_by_hand(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.embed(x)
+            for i in range(first):
+                h = h + torch.tanh(self.blocks[i](h))
+                h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        for i in range(first, N):
+            h = h + torch.tanh(self.blocks[i](h))
+            h = h * self.scale if i == 0 else self.mid(h) if i == 1 else h
+        return self.head(h)
+
+
+@pytest.mark.parametrize("plan", [{"depth": 3}, {"depth": 2}, {"learn": {2, 4}}, {"learn": {3}}])
+def test_code_between_the_cut_off_blocks_and_the_first_learner_does_not_learn(plan) -> None:
+    # README: a cut is a point before which no graph is recorded; at depth k it is the input of
+    # the first learning block, so a scale or norm applied just before it neither learns nor
+    # saves activations (the hand-written cut: that code under no_grad).
+    torch.manual_seed(0)
+    model = Gapped().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        for field, value in plan.items():
+            setattr(gate, field, value)
+        model(x).sum()  # a first forward shows that `mid` runs between blocks, not after them
+        model(x).pow(2).sum().backward()
+    learning = set(range(N - plan["depth"], N)) if "depth" in plan else plan["learn"]
+    first = min(learning)
+    reference.cut_by_hand(x, first).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        if (block is not None and block not in learning) or q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+LEARN_ITEMS = [
+    *range(N),
+    *(f"blocks.{i}" for i in range(N)),
+    "blocks.2.f",  # the whole inside of block 2
+    "blocks.3.f.0",  # one layer inside block 3
+    "blocks.*.f.0",  # that layer in every block
+    "embed",
+    "blocks",  # the container: refused
+]
+
+
+def _learners(model: Net, items: set) -> set[str]:
+    """Parameter names a learning set trains (the semantics, written out): named blocks and
+    modules, and the head (it runs after the last block)."""
+    names = {"head.weight", "head.bias"}
+    for item in items:
+        prefix = f"blocks.{item}." if isinstance(item, int) else f"{item}."
+        names |= {n for n, _ in model.named_parameters() if n.startswith(prefix)}
+        if item == "blocks.*.f.0":
+            names |= {n for n, _ in model.named_parameters() if ".f.0." in n}
+    return names
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plans=st.lists(
+        st.sets(st.sampled_from(LEARN_ITEMS), min_size=1, max_size=3), min_size=1, max_size=3
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_forwards_with_learning_sets_of_positions_and_names_then_one_backward(
+    plans: list[set], seed: int
+) -> None:
+    # Several forwards, each with its own learning set (positions, names of blocks, of modules
+    # inside blocks, of the container), then one backward of the summed loss: every parameter
+    # gets the sum of the plain-autograd gradients of the forwards in which it learned.
+    torch.manual_seed(seed)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(3, 3, dtype=torch.float64) for _ in plans]
+    gate = gg.BackpropGate(model, "blocks.*")
+    losses, used = [], []
+    for items, x in zip(plans, xs, strict=True):
+        if "blocks" in items:
+            before = gate.learn
+            with pytest.raises(gg.InvalidDepthError, match="names the container of the blocks"):
+                gate.learn = items
+            assert gate.learn == before
+            continue
+        gate.learn = items
+        losses.append(model(x).pow(2).sum())
+        used.append((items, x))
+    if losses:
+        sum(losses).backward()
+    gate.remove()
+    assert all(p.requires_grad for p in model.parameters())
+    params = dict(reference.named_parameters())
+    expected: dict[str, torch.Tensor] = {}
+    for items, x in used:
+        names = sorted(_learners(reference, items))
+        grads = torch.autograd.grad(reference(x).pow(2).sum(), [params[n] for n in names])
+        for name, grad in zip(names, grads, strict=True):
+            expected[name] = expected.get(name, 0) + grad
+    for name, param in model.named_parameters():
+        if name not in expected:
+            assert param.grad is None, name
+        else:
+            torch.testing.assert_close(param.grad, expected[name], msg=name)

@@ -280,6 +280,20 @@ def test_a_block_called_outside_the_gated_call_is_reported() -> None:
     gate.remove()
 
 
+def test_a_skip_only_plan_on_a_block_called_outside_the_gated_call_warns() -> None:
+    # DropBP's plan (no cut, only skip) is as ignored there as a depth: it must say so too.
+    from models import gpt2
+
+    model, batch, _ = gpt2()
+    gate = gg.BackpropGate(model)
+    gate.skip = {1}
+    with pytest.warns(
+        gg.BlockCallWarning, match=r"ran outside a call of the gated GPT2LMHeadModel, so the plan"
+    ):
+        model.transformer(**batch)
+    gate.remove()
+
+
 def test_a_tied_weight_registered_after_the_blocks_straddling_the_cut_warns() -> None:
     class Late(nn.Module):
         def __init__(self) -> None:

@@ -92,7 +92,9 @@ def test_resume_from_state_dict_continues_the_sequence(index: int) -> None:
     later = [resumed.apply(gate) for _ in range(300)]
     uninterrupted = copy.deepcopy(original)
     assert later == [uninterrupted.apply(gate) for _ in range(300)]
-    assert plans + later == [every_schedule(3)[index].plan(s) for s in range(600)]
+    fresh = every_schedule(3)[index]
+    fresh.apply(gate, 0)  # LISA looks its always=["0"] up on the gate: block 0, not a draw
+    assert plans + later == [fresh.plan(s) for s in range(600)]
     gate.remove()
 
 
@@ -330,3 +332,40 @@ def test_every_plan_fits_its_gate_and_is_reproducible(schedule, steps: list[int]
             else:
                 assert gate.learn == plan.learn
             assert not (schedule.finished(step) & plan.learning(schedule.n))
+
+
+ALWAYS_ITEMS = [0, 3, "blocks.1", "blocks.4", "blocks.*.f", "blocks.2.f", "embed"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    always=st.sets(st.sampled_from(ALWAYS_ITEMS), max_size=3),
+    k=st.integers(0, 2),
+    seed=st.integers(0, 100),
+)
+def test_lisa_always_of_positions_block_names_and_inner_names(always, k, seed) -> None:
+    # Whatever mix of positions and names `always` holds, the blocks it names learn at every
+    # step and are never drawn or rested; k other blocks are drawn per window.
+    model = residual_net(5)
+    net_names = {f"blocks.{i}": i for i in range(5)}
+    blocks = {
+        i if isinstance(i, int) else net_names[i]
+        for i in always
+        if i in net_names or isinstance(i, int)
+    }
+    sched = LISA(5, k=k, every=2, always=sorted(always, key=str), seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        for step in range(6):
+            plan = sched.apply(gate, step)
+            learning = plan.learning(5)
+            assert blocks <= learning and len(learning - blocks) == k, (step, plan)
+            assert not sched.resting(step + 1) & blocks
+            model(torch.randn(2, 3)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            gg.optim.drop_finished(optimizer, gate, sched, step + 1)
+            for name in (a for a in always if isinstance(a, str) and ".f" in a):
+                for module_name, module in model.named_modules():
+                    if module_name == name or (name == "blocks.*.f" and module_name.endswith(".f")):
+                        assert all(p in optimizer.state for p in module.parameters()), name

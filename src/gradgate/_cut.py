@@ -11,12 +11,12 @@ Changing the plan is a field write: no hook is added or removed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-from ._autograd import tensors_in
 from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
@@ -43,15 +43,19 @@ from ._frames import (
 )
 from ._fsdp import FsdpPlan
 from ._handles import Handle
+from ._held import HeldFrozen
 from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
-from ._torch_internals import maybe_in_backward, queue_after_backward
+from ._torch_internals import maybe_in_backward
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
+
+
+_GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
 
 
 class _Cut(Handle):
@@ -83,7 +87,9 @@ class _Cut(Handle):
         self._stacks = Stacks(model, points)
         self._shared = shared_parameter_owners(model)
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
-        self._held: list[nn.Parameter] = []
+        self._in_blocks = frozenset(id(p) for _, m in points for p in m.parameters())
+        self._gap_modules: set[int] = set()  # outside modules seen running between blocks
+        self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
@@ -158,8 +164,8 @@ class _Cut(Handle):
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
         self._fsdp.before_forward()
-        if self._held and not any(f.gate is self for f in open_frames()):
-            self._release()  # the last forward had no backward that reached its output
+        if self._held.params and not any(f.gate is self for f in open_frames()):
+            self._held.release()  # the last forward had no backward that reached its output
         if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
             from .distributed import calling_ddp, require_find_unused_parameters
 
@@ -190,8 +196,10 @@ class _Cut(Handle):
         if frame is None:
             return
         held, frame.held = frame.held, []
-        if held:
-            self._hold_until_backward(held, output)
+        if frame.blocking and frame.opened and torch.is_grad_enabled():
+            self._held.hold(held, output, self._learners(frame))
+        elif held:
+            self._held.hold(held, output, ())
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
         nothing_learns = (
             frame.blocking
@@ -224,12 +232,14 @@ class _Cut(Handle):
                 "run after the cut without learning pass gradients but get none). Pass "
                 "blocks=[...] in the order they run if that is what you meant.",
             )
+        self._gap_modules.update(frame.gap_calls)  # these ran between blocks
+        frame.gap_calls.clear()
         frame.last_position = max(frame.last_position, position)
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
             if learns:
-                frame.tentative = None
+                self._end_gap(frame)
             else:
                 self._close_again(frame)
         if learns and position not in self._skip:
@@ -275,12 +285,20 @@ class _Cut(Handle):
         if frame.blocking and not frame.opened and self._opens_after(position):
             frame.tentative = position
             self._open(frame)
+            if position < self._first_opener() < len(self._points) and _GAP not in frame.frozen:
+                # grad on for checkpoint(), yet the code before the learner records nothing
+                frame.frozen[_GAP] = freeze_for_call(self._model, self._keep | self._in_blocks)
         return replaced
+
+    def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
+        frame.tentative = tentative
+        for param in frame.frozen.pop(_GAP, ()):
+            param.requires_grad_(True)
 
     def _enter_extra(self, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
-            frame.tentative = None
+            self._end_gap(frame)
             self._open(frame)
 
     def _enter_outside(self, index: int, module: nn.Module, args: Any) -> None:
@@ -295,6 +313,10 @@ class _Cut(Handle):
         if frame is None:
             return
         frame.outside_calls.append((index, len(frame.stacks_ran)))
+        if _GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
+            frame.gap_calls.append(index)
+            if index not in self._gap_modules:
+                self._end_gap(frame, frame.tentative)
         if frame.blocking and not frame.opened:
             stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
             if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):
@@ -315,14 +337,10 @@ class _Cut(Handle):
 
     # -- opening and closing the cut -----------------------------------------------------------
     def _opens_after(self, position: int) -> bool:
-        """Whether the cut opens, for now, right after this non-learning block.
-
-        It does inside the stack (the container) of the first learner, or of the last block when
-        only what runs after the blocks learns: the next non-learning block of the stack closes
-        it again, a learner keeps it open. So the code between blocks (where a learner may be
-        called through ``checkpoint()``) sees grad on, and blocks skipped by LayerDrop cannot
-        keep the cut shut.
-        """
+        """Whether the cut opens, for now, right after this non-learning block: inside the
+        stack of the first learner (of the last block when only what runs after the blocks
+        learns); the next non-learner closes it again. So a learner called through
+        ``checkpoint()`` sees grad on, and LayerDrop cannot keep the cut shut."""
         assert self._learn is not None
         first = min(self._first_opener(), len(self._points) - 1)
         opens = position in self._learn and position not in self._skip
@@ -352,6 +370,14 @@ class _Cut(Handle):
 
     def _learns(self, position: int) -> bool:
         return self._learn is not None and position in self._learn
+
+    def _learners(self, frame: Frame) -> Iterable[nn.Parameter]:
+        """Parameters this forward's graph gives gradients to that a later forward may freeze."""
+        for position in frame.ran:
+            if self._learns(position) and position not in self._skip:
+                yield from self._points[position][1].parameters()
+        for module in self._extra:
+            yield from module.parameters()
 
     def _own_frame(self) -> Frame | None:
         for frame in reversed(open_frames()):
@@ -392,47 +418,22 @@ class _Cut(Handle):
             warn_shared_straddles(before, after)
 
     def _warn_outside_call(self, position: int) -> None:
-        if self._learn is None or not torch.is_grad_enabled() or grad_held_off():
+        planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
+        if not planned or not torch.is_grad_enabled() or grad_held_off():
             return
         if maybe_in_backward():
             return  # activation checkpointing recomputing the block during backward
         self._warn_once(
             "outside",
             f"block {self._points[position][0]!r} ran outside a call of the gated "
-            f"{type(self._model).__name__}, so the cut does not apply to it and it learns "
-            "fully. Call the gated model itself, or gate the module you call.",
+            f"{type(self._model).__name__}, so the plan (depth, learn, skip) does not apply to "
+            "it: it learns fully. Call the gated model itself, or gate the module you call.",
         )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warn(message, BlockCallWarning)
-
-    def _hold_until_backward(self, params: list[nn.Parameter], output: Any) -> None:
-        """Keep blocks that ran frozen looking frozen until backward is done with this graph.
-
-        Activation checkpointing recomputes a block's forward during backward, with no module
-        hook around it; it must see the same ``requires_grad`` as the forward did.
-        """
-        self._held.extend(params)
-        graph = [t for t in tensors_in(output) if t.requires_grad]
-        if not graph:
-            self._release()
-            return
-        queued: list[bool] = []
-
-        def at_backward(grad: torch.Tensor) -> None:
-            if not queued:
-                queued.append(True)
-                queue_after_backward(self._release)  # else released at the next forward
-
-        for tensor in graph:
-            tensor.register_hook(at_backward)
-
-    def _release(self) -> None:
-        held, self._held = self._held, []
-        for param in held:
-            param.requires_grad_(True)
 
     def _close_own_frames(self) -> None:
         for frame in [f for f in open_frames() if f.gate is self]:
@@ -441,7 +442,7 @@ class _Cut(Handle):
     def _remove_hooks(self) -> None:
         self._close_own_frames()
         self._guard.uninstall()
-        self._release()
+        self._held.backward_done()
         self._hooks.remove()
         self._extra_hooks.remove()
         self._stale_grads.remove()

@@ -72,6 +72,7 @@ class Frame:
     ran: set[int] = field(default_factory=set)
     stacks_ran: list[int] = field(default_factory=list)  # in the order they first ran
     outside_calls: list[tuple[int, int]] = field(default_factory=list)  # (module, stacks ran)
+    gap_calls: list[int] = field(default_factory=list)  # outside modules run before the learner
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
     skipped: dict[int, bool] = field(default_factory=dict)

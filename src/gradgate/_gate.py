@@ -133,9 +133,22 @@ class BackpropGate(_Cut):
                         f"learn={pattern!r} names the whole model; expected blocks or modules "
                         "inside it (use depth=None for no cut)."
                     )
+                elif any(id(inner) in by_id for inner in module.modules()):
+                    self._refuse_container(pattern)
                 elif all(module is not e for e in extra):
                     extra.append(module)
         return positions, extra
+
+    def _refuse_container(self, pattern: str) -> None:
+        """A module holding blocks (``"model.layers"``) is not a learner: its blocks are."""
+        first = self._points[0][0]
+        parent = first.rpartition(".")[0]
+        example = f"{parent}.*" if parent else first
+        raise InvalidDepthError(
+            f"learn={pattern!r} names the container of the blocks ({first!r}, ...), which the "
+            f"plan cannot open as one module; name the blocks themselves ({example!r}, "
+            f"positions) or use depth (depth={len(self._points)} trains every block)."
+        )
 
     def _positions(self, values: Iterable[object], *, option: str) -> list[int]:
         n = len(self._points)

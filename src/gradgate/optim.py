@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +94,7 @@ def add_missing(
     [0.1, 0.01]
     """
     _optimizer(optimizer)
+    _group_options(options)
     named = _named_pairs(model)
     holding = set(held(optimizer))
     missing: list[tuple[str, nn.Parameter]] = []
@@ -132,9 +134,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[torch.Tensor]) -> int:
     """Forget the optimizer state of ``params`` (a module or parameters); return bytes freed.
 
-    For parameters that will not learn again: their ``.grad`` stays ``None``, so the optimizer
-    skips them, and their moments are dead weight. Should one learn again, its state restarts
-    from zero, as for a new parameter.
+    For parameters that rest (or never learn again): their ``.grad`` is set to ``None``, so the
+    optimizer skips them even after ``zero_grad(set_to_none=False)``, and their moments are dead
+    weight. Should one learn again, its state restarts from zero, as for a new parameter.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 1))
@@ -146,11 +148,11 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     96
     """
     _optimizer(optimizer)
-    if isinstance(params, nn.Module):
-        params = params.parameters()
+    going = _tensors(params)
     before = state_bytes(optimizer)
-    for param in params:
+    for param in going:
         optimizer.state.pop(param, None)
+        param.grad = None  # a zero .grad (zero_grad(set_to_none=False)) would step it again
     return before - state_bytes(optimizer)
 
 
@@ -182,6 +184,7 @@ def drop_finished(
     2 888
     >>> gate.remove()
     """
+    schedule._bind(gate)
     finished = schedule.resting(step)
     if not finished:
         return 0
@@ -203,6 +206,8 @@ def drop_finished(
     staying += [p for p in model.parameters() if id(p) not in block_ids]
     for param in staying:
         going.pop(id(param), None)
+    for kept in getattr(gate, "_keep", ()):  # named learners inside blocks ("h.*.ln_1")
+        going.pop(kept, None)
     return drop_state(optimizer, going.values())
 
 
@@ -243,6 +248,34 @@ def _optimizer(value: object) -> torch.optim.Optimizer:
             "e.g. torch.optim.AdamW(model.parameters())."
         )
     return value
+
+
+def _tensors(params: object) -> list[torch.Tensor]:
+    """A module's parameters, or the tensors given; anything else is refused (a name is not)."""
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    found = None
+    if isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
+        found = list(params)
+    if found is None or not all(isinstance(p, torch.Tensor) for p in found):
+        raise InvalidOptionError(
+            f"params={params!r:.60} ({type(params).__name__}); expected a module or its "
+            "parameters, e.g. model.get_submodule('blocks.0') or "
+            "model.get_submodule('blocks.0').parameters()."
+        )
+    return found
+
+
+def _group_options(options: dict[str, Any]) -> None:
+    """Refuse the negative rates torch checks only when an optimizer is built, not per group."""
+    for option in ("lr", "weight_decay"):
+        if option in options:
+            value = options[option]
+            number = (
+                value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            )
+            if isinstance(number, bool) or not isinstance(number, Real) or not float(number) >= 0:
+                raise InvalidOptionError(f"{option}={value!r}; expected a number >= 0.")
 
 
 def _positive(option: str, value: object) -> float:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from ._errors import InvalidOptionError
+from ._plan import Gate as _Gate
+from ._plan import Plan, sorted_items
+from ._select import resolve_modules
 from ._validate import (
     check_choice,
     count_option,
@@ -43,88 +45,6 @@ __all__ = [
     "RandomDepth",
     "Schedule",
 ]
-
-
-class _Gate(Protocol):
-    @property
-    def blocks(self) -> list[str]: ...
-
-    depth: int | None
-    learn: Any
-    skip: Any
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one step trains: ``depth`` or ``learn`` (not both), and ``skip``.
-
-    ``depth=None`` with ``learn=None`` means no cut (every block learns). ``learn`` holds block
-    positions and/or module names; ``skip`` holds block positions that run with no graph while
-    the gradient passes around them (DropBP).
-
-    >>> Plan(learn=frozenset({1, 3})).learning(5)
-    frozenset({1, 3})
-    >>> Plan(depth=2, skip=frozenset({4})).metrics(5)
-    {'depth': 2, 'learning_blocks': 1, 'skipped_blocks': 1, 'learning_share': 0.2}
-    """
-
-    depth: int | None = None
-    learn: frozenset[int | str] | None = None
-    skip: frozenset[int] = field(default_factory=frozenset)
-
-    def __post_init__(self) -> None:
-        if self.depth is not None and self.learn is not None:
-            raise InvalidOptionError(
-                f"Plan(depth={self.depth!r}, learn={set(self.learn)!r}) sets both; expected "
-                "one of them (depth=k is learn={n-k, ..., n-1})."
-            )
-
-    def apply(self, gate: _Gate) -> None:
-        """Set this plan on a gate (one field write each); all of it or, on error, none."""
-        before = Plan(depth=gate.depth, learn=gate.learn, skip=gate.skip)
-        try:
-            self._write(gate)
-        except BaseException:
-            before._write(gate)
-            raise
-
-    def _write(self, gate: _Gate) -> None:
-        if self.learn is not None:
-            gate.learn = self.learn
-        else:
-            gate.depth = self.depth
-        gate.skip = self.skip
-
-    def learning(self, n: int) -> frozenset[int]:
-        """Positions of the blocks that get weight gradients in a model of ``n`` blocks."""
-        if self.learn is not None:
-            planned = {i % n for i in self.learn if isinstance(i, int)}
-        elif self.depth is not None:
-            planned = set(range(n - self.depth, n))
-        else:
-            planned = set(range(n))
-        return frozenset(planned - self.skip)
-
-    def metrics(self, n: int) -> dict[str, float]:
-        """Numbers to log for this plan: depth (for a depth plan), counts and learning share."""
-        learning = len(self.learning(n))
-        found: dict[str, float] = {} if self.depth is None else {"depth": self.depth}
-        found.update(
-            learning_blocks=learning,
-            skipped_blocks=len(self.skip),
-            learning_share=round(learning / n, 6),
-        )
-        return found
-
-    def __repr__(self) -> str:
-        parts = []
-        if self.learn is not None:
-            parts.append(f"learn={_sorted(self.learn)}")
-        else:
-            parts.append(f"depth={self.depth}")
-        if self.skip:
-            parts.append(f"skip={sorted(self.skip)}")
-        return f"Plan({', '.join(parts)})"
 
 
 class Schedule:
@@ -157,6 +77,7 @@ class Schedule:
                 f"{self!r} plans over {self.n} blocks but the gate has {blocks}; build the "
                 f"schedule with n={blocks} (len(gate.blocks))."
             )
+        self._bind(gate)
         step = self.next_step if step is None else step
         plan = self.plan(step)
         plan.apply(gate)
@@ -185,6 +106,13 @@ class Schedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the schedule must be built with the same configuration."""
+        keys = ("schedule", "config", "seed", "next_step")
+        missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+        if missing:
+            raise InvalidOptionError(
+                f"state={state!r:.80} lacks {missing}; expected the dict that "
+                f"{type(self).__name__}.state_dict() returned."
+            )
         expected = {"schedule": type(self).__name__, "config": self._config()}
         for key, value in expected.items():
             if state.get(key) != value:
@@ -193,12 +121,16 @@ class Schedule:
                     f"has {value!r}; build the schedule with the same arguments as the run "
                     "that saved the state."
                 )
-        self.seed = integer_option("seed", state["seed"])
+        seed = integer_option("seed", state["seed"])
         self.next_step = count_option("next_step", state["next_step"], low=0)
+        self.seed = seed
 
     # -- for subclasses ------------------------------------------------------------------------
     def _plan(self, step: int) -> Plan:
         raise NotImplementedError
+
+    def _bind(self, gate: Any) -> None:
+        """Look up what depends on the gated model (LISA: ``always`` names that are blocks)."""
 
     def _config(self) -> dict[str, Any]:
         return {"n": self.n}
@@ -241,8 +173,19 @@ class LISA(Schedule):
     """LISA: ``k`` random blocks learn, resampled every ``every`` steps; ``always`` learn too.
 
     ``always`` holds block positions and/or module names (the embeddings, e.g.
-    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. What runs after
-    the last block (the head) learns anyway. Blocks between the earliest learner and the head
+    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. Names of blocks
+    (``"model.layers.0"``) count as their positions once the schedule has seen the gate (the
+    first :meth:`apply`): no draw is spent on them and their optimizer state is kept; modules
+    named inside blocks (``"model.layers.*.input_layernorm"``) learn at every step and keep
+    their state too.
+
+    **Unlike LISA's Algorithm 1 and LMFlow, the embeddings do not learn by default**: only
+    what runs after the last block does. gradgate's default lets the backward stop at the
+    earliest drawn block (no graph, no backward below it). For the paper's method name every
+    module that runs before the blocks: ``always=["model.embed_tokens"]`` (Llama),
+    ``always=["transformer.wte", "transformer.wpe"]`` (GPT-2: the position embedding too).
+
+    Blocks between the earliest learner and the head
     that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
     :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
     blocks that were not drawn again, as LMFlow's LISA does.
@@ -266,11 +209,31 @@ class LISA(Schedule):
         super().__init__(n, seed=seed)
         self.every = count_option("every", every, low=1)
         self.always = learn_items_option("always", always, self.n)
+        self._always = self.always  # names that are blocks become positions in _bind
+        self._bound: Any = None
         self._pool = [i for i in range(self.n) if i not in self.always]
         self.k = count_option("k", k, low=0, high=len(self._pool))
 
     def _plan(self, step: int) -> Plan:
-        return Plan(learn=self._drawn(step) | self.always)
+        return Plan(learn=self._drawn(step) | self._always)
+
+    def _bind(self, gate: Any) -> None:
+        """Names in ``always`` that are blocks learn as those positions: no draw is spent on
+        them, their state is never dropped, and ``Plan.learning`` counts them."""
+        model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
+        if model is None or points is None or self._bound is model:
+            return
+        by_id = {id(m): i for i, (_, m) in enumerate(points)}
+        always: set[int | str] = set()
+        for item in self.always:
+            found = resolve_modules(model, [item]) if isinstance(item, str) else []
+            if found and all(id(m) in by_id for _, m in found):
+                always.update(by_id[id(m)] for _, m in found)
+            else:
+                always.add(item)
+        pool = [i for i in range(self.n) if i not in always]
+        count_option("k", self.k, low=0, high=len(pool))  # before changing anything
+        self._always, self._pool, self._bound = frozenset(always), pool, model
 
     def resting(self, step: int) -> frozenset[int]:
         return frozenset(self._pool) - self._drawn(count_option("step", step, low=0))
@@ -279,7 +242,7 @@ class LISA(Schedule):
         return frozenset(self._rng(step // self.every).sample(self._pool, self.k))
 
     def _config(self) -> dict[str, Any]:
-        return {"n": self.n, "k": self.k, "every": self.every, "always": _sorted(self.always)}
+        return {"n": self.n, "k": self.k, "every": self.every, "always": sorted_items(self.always)}
 
 
 class DropBP(Schedule):
@@ -444,7 +407,3 @@ def _spaced_stops(n: int, total: int, first: float, spacing: str) -> list[int]:
             fraction = (root + (1 - root) * along) ** 3
         stops.append(round(fraction * total))
     return stops
-
-
-def _sorted(items: Iterable[int | str]) -> list[int | str]:
-    return sorted(items, key=lambda v: (isinstance(v, str), v))  # type: ignore[return-value]

@@ -87,6 +87,8 @@ class Driver:
 
     def attach(self, model: nn.Module) -> None:
         """Gate ``model`` unless a gate was given (or made already)."""
+        if self.gate is not None and self.gate.active:
+            _require_same_model(self.gate._model, model)
         if self.gate is None or not self.gate.active:
             self.gate = BackpropGate(model, self.blocks)
             self.owns_gate = True
@@ -122,6 +124,7 @@ class Driver:
         in_blocks = {id(p) for _, m in points for p in m.parameters()}
         needed = {id(p) for p in self.gate._model.parameters() if id(p) not in in_blocks}
         needed |= {id(p) for i in learning for p in points[i][1].parameters()}
+        needed |= self.gate._keep  # modules named in the plan that lie inside blocks
         for position, (_, module) in enumerate(points):
             if position in learning:
                 continue
@@ -163,3 +166,14 @@ class Driver:
             self.gate = None
             self.owns_gate = False
         self.step = self.plan = None
+
+
+def _require_same_model(gated: nn.Module, trained: nn.Module) -> None:
+    """A gate on a model the trainer does not run would log plans that never happen."""
+    if any(m is gated for m in trained.modules()) or any(m is trained for m in gated.modules()):
+        return
+    raise InvalidOptionError(
+        f"the callback's gate is on a {type(gated).__name__} that the Trainer does not train "
+        f"(it trains a {type(trained).__name__}); gate the trainer's model, or leave gate= out "
+        "so that the callback gates it when training begins."
+    )

@@ -12,6 +12,8 @@ Usage (``n`` is the number of blocks, ``len(gg.blocks(model))``)::
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +21,9 @@ from . import Driver, require
 
 require("transformers", "transformers")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
 
+from .._errors import InvalidOptionError  # noqa: E402
 from .._gate import BackpropGate  # noqa: E402
 from .._select import Pattern  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402
@@ -46,6 +49,11 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     (``requires_grad=False``) for the whole step, so that the backward's recomputation of a
     block sees the flags its forward saw; they are given back at the next step and at the end.
 
+    transformers has no exception event: so that an exception inside ``trainer.train()`` (a
+    ``KeyboardInterrupt``) still removes the gate and gives back the parameters held frozen,
+    the callback wraps ``trainer.train`` when the Trainer is built with it (or at
+    :meth:`put_first`, for one added later with ``add_callback``).
+
     When the Trainer runs DeepSpeed (``TrainingArguments(deepspeed=...)``), the callback makes
     its ZeRO optimizer step only the parameters that learned
     (:func:`gradgate.integrations.deepspeed.step_learners_only`), until training ends.
@@ -62,6 +70,11 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         freeze_for_step: bool | None = None,
     ) -> None:
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+        if freeze_for_step is not None and not isinstance(freeze_for_step, bool):
+            raise InvalidOptionError(
+                f"freeze_for_step={freeze_for_step!r}; expected True, False or None (None: "
+                "True when the model uses gradient checkpointing)."
+            )
         self._freeze_for_step = freeze_for_step
         self._deepspeed: Any = None  # LearnersOnly while the Trainer runs DeepSpeed
 
@@ -85,9 +98,44 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(0, self)
+        self._guard_train(trainer)
         return self
 
+    def _guard_train(self, trainer: Any) -> None:
+        """Wrap ``trainer.train`` so that an exception (``KeyboardInterrupt``) inside it removes
+        what the callback did: transformers has no exception event and skips ``on_train_end``."""
+        train = trainer.train
+        cleaners = getattr(train, "_gradgate_cleaners", None)
+        if cleaners is not None:
+            if self not in cleaners:
+                cleaners.append(self)
+            return
+        cleaners = [self]
+
+        @functools.wraps(train)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train(*args, **kwargs)
+            except BaseException:
+                for callback in cleaners:
+                    callback._clean_up()
+                raise
+
+        guarded._gradgate_cleaners = cleaners  # type: ignore[attr-defined]
+        trainer.train = guarded
+
+    def _clean_up(self) -> None:
+        self._driver.detach()
+        if self._deepspeed is not None:
+            self._deepspeed.remove()
+            self._deepspeed = None
+
     # -- Trainer events --------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _constructing_trainer()
+        if trainer is not None:
+            self._guard_train(trainer)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs["model"]
         self._driver.attach(model)
@@ -117,7 +165,17 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
             state.log_history[-1].update(metrics)  # the Trainer copied logs there just before
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._driver.detach()
-        if self._deepspeed is not None:
-            self._deepspeed.remove()
-            self._deepspeed = None
+        self._clean_up()
+
+
+def _constructing_trainer() -> Any:
+    """The ``Trainer`` whose ``__init__`` calls ``on_init_end`` (the event does not pass it)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
