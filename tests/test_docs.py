@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
@@ -73,7 +75,16 @@ def prepared(needs: tuple[str, ...]):
             # it would JIT-compile a CPU shared-memory all-reduce (80 s on a fresh machine)
             # that one process never uses
             deepspeed.ops.__compatible_ops__ = {}
-        yield
+        # What a page sets for the process stays out of later tests: its launch environment
+        # (a Trainer would then look for a process group) and the torch.nn.functional.linear
+        # that ZeRO-3 replaces for good.
+        environment, linear = dict(os.environ), torch.nn.functional.linear
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+            torch.nn.functional.linear = linear
 
 
 def normalise(output: str) -> str:
