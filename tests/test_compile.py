@@ -185,7 +185,8 @@ def _sequential_loss(run: Any) -> torch.Tensor:
     return run(torch.ones(4, 3)).pow(2).mean()
 
 
-_OPAQUE = "Skip calling `torch.compiler.disable()`d function"  # the gate's hooks, by design
+# the gate's hooks, by design (torch 2.6 words it "call torch._dynamo.disable() wrapped ...")
+_OPAQUE = ("Skip calling `torch.compiler.disable()`d function", "call torch._dynamo.disable()")
 
 
 def _compiled_per_block(first: int, total: int, breaks: dict[str, int], most: int = 3) -> None:

@@ -127,9 +127,18 @@ SLOW_PAGES = {
 }
 
 
+# Before torch 2.8 a fake forward of transformers' attention without a mask saves a little less
+# than the real one, so the page's unmasked numbers differ there (tests/test_estimate.py).
+_OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+NEEDS_TORCH_2_8 = {"depth-fits.md"}
+
+
 def _param(page: Path) -> object:
     name = page.relative_to(DOCS).as_posix()
-    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+    marks = [pytest.mark.slow] if name in SLOW_PAGES else []
+    if name in NEEDS_TORCH_2_8:
+        marks.append(pytest.mark.skipif(_OLD_TORCH, reason="its numbers are torch 2.8's and on"))
+    return pytest.param(page, id=name, marks=marks)
 
 
 def test_slow_pages_exist() -> None:
