@@ -34,6 +34,7 @@ import gradgate as gg
 from gradgate._bench.distributed import counting_all_reduce
 from gradgate._bucket_tag import disagreeing, encode
 from gradgate._fsdp import FsdpPlan, _fsdp_param_groups
+from gradgate._torch_internals import TORCH_RELEASE
 
 pytestmark = pytest.mark.slow
 
@@ -824,7 +825,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 # torch 2.6's FSDP2 cannot run on the CPU (it calls Stream.record_event, which the CPU stream
 # lacks); gradgate's FSDP2 support is tested from torch 2.7 on
-_FSDP2_ON_CPU = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
+_FSDP2_ON_CPU = TORCH_RELEASE >= (2, 7)
 needs_fsdp2_on_cpu = pytest.mark.skipif(not _FSDP2_ON_CPU, reason="FSDP2 on CPU needs torch 2.7")
 
 

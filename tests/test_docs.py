@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradgate._torch_internals import TORCH_RELEASE
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 # Pages written before this convention, to be converted by their owner. Strict: the test fails
@@ -129,7 +131,7 @@ SLOW_PAGES = {
 
 # Before torch 2.8 a fake forward of transformers' attention without a mask saves a little less
 # than the real one, so the page's unmasked numbers differ there (tests/test_estimate.py).
-_OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+_OLD_TORCH = TORCH_RELEASE < (2, 8)
 NEEDS_TORCH_2_8 = {"depth-fits.md"}
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 import gradgate as gg
 from gradgate import cli
+from gradgate._torch_internals import TORCH_RELEASE
 
 GiB = 1024**3
 
@@ -62,8 +63,10 @@ def test_saved_bytes_equal_the_audit_at_every_depth_on_transformers(name: str) -
 def test_without_a_mask_only_the_causal_mask_is_added(name: str) -> None:
     # Fake tensors hide the position ids' values, so transformers builds the causal mask that
     # it skips on real data, and each learning layer's attention saves it (as floats).
-    old = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
-    if name == "llama" and old:  # measured on 2.6 and 2.7: 12 kB under the audit at depth 3
+    if name == "llama" and TORCH_RELEASE < (
+        2,
+        8,
+    ):  # measured on 2.6 and 2.7: 12 kB under the audit at depth 3
         pytest.skip("before torch 2.8 the fake unmasked Llama attention saves less than the real")
     model, batch, _ = TRANSFORMERS[name]()
     batch_size, seq = batch["input_ids"].shape
