@@ -323,3 +323,25 @@ def test_estimate_uses_the_pytree_fallback_with_the_same_rows(
     expected = gg.estimate(model, torch.randn(2, 4)).to_json()
     monkeypatch.setattr(internals, "PYTREE", None)
     assert gg.estimate(model, torch.randn(2, 4)).to_json() == expected
+
+
+# -- grad mode ---------------------------------------------------------------------------------
+def test_gate_is_exact_with_torch_set_grad_enabled_as_the_grad_mode_setter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without torch._C's setter the gate switches grad mode with torch.set_grad_enabled."""
+    calls: list[bool] = []
+
+    def public(mode: bool) -> None:
+        calls.append(mode)
+        torch.set_grad_enabled(mode)
+
+    monkeypatch.setattr(internals, "set_grad_mode", public)
+    model, batch, loss_fn = models.gpt2(layers=3)
+    want = _plain_grads(model, loss_fn, batch)
+    with gg.BackpropGate(model, depth=1):
+        loss_fn(model, batch).backward()
+    got = _grads(model)
+    assert calls and set(calls) == {True, False}
+    assert {n.split(".")[2] for n in got if n.startswith("transformer.h.")} == {"2"}
+    _assert_equal(got, {name: want[name] for name in got})

@@ -17,6 +17,7 @@ from ._errors import (
     SharedParameterWarning,
     warn,
 )
+from ._torch_internals import maybe_in_backward
 
 
 def require_a_forward(model: nn.Module) -> None:
@@ -45,12 +46,27 @@ def has_graph(output: Any) -> bool:
     return not tensors or any(t.requires_grad for t in tensors)
 
 
-def freeze_for_call(module: nn.Module, keep: frozenset[int] = frozenset()) -> list[nn.Parameter]:
-    """Freeze a module's trainable parameters for one call, all but those whose id is in keep."""
-    params = [p for p in module.parameters() if p.requires_grad and id(p) not in keep]
-    for param in params:
-        param.requires_grad_(False)
-    return params
+def freeze_for_call(
+    module: nn.Module, keep: frozenset[int] = frozenset(), *, around: frozenset[int] = frozenset()
+) -> list[nn.Parameter]:
+    """Freeze a module's trainable parameters for one call, all but those whose id is in keep;
+    submodules whose id is in ``around`` are not entered.
+
+    It runs in every forward, so it walks the module dictionaries itself: ``parameters()``
+    costs five times as much (a generator per level, names built and dropped).
+    """
+    frozen: list[nn.Parameter] = []
+    modules, seen = [module], {id(module)}
+    for current in modules:  # grows while it is walked
+        for param in current._parameters.values():
+            if param is not None and param.requires_grad and id(param) not in keep:
+                param.requires_grad_(False)
+                frozen.append(param)
+        for child in current._modules.values():
+            if child is not None and id(child) not in seen and id(child) not in around:
+                seen.add(id(child))
+                modules.append(child)
+    return frozen
 
 
 def pass_around(name: str, args: Any, kwargs: Any, output: Any) -> Any:
@@ -242,6 +258,18 @@ def warn_learners_not_run(gate: Any, frame: Any, never_opened: bool) -> bool:
     return False
 
 
+def outside_call(name: str, model: nn.Module) -> str:
+    """What to say when a planned block ran outside its gated model's call (unless autograd is
+    recomputing it for activation checkpointing, during backward)."""
+    if maybe_in_backward():
+        return ""
+    return (
+        f"block {name!r} ran outside a call of the gated {type(model).__name__}, so the plan "
+        "(depth, learn, skip) does not apply to it: it learns fully. Call the gated model itself, "
+        "or gate the module you call."
+    )
+
+
 def warn_never_opened() -> None:
     warn(
         "the cut never opened in this forward, so nothing in it learns: no learning block ran "
@@ -254,7 +282,16 @@ def warn_never_opened() -> None:
     )
 
 
-def warn_shared_straddles(before: str, after: str) -> None:
+def warn_shared_straddles(
+    model: nn.Module, shared_uses: dict[int, dict[bool, nn.Module]], warned: set[str]
+) -> None:
+    """Once per gate: a tied parameter was used before the cut and after it in one forward."""
+    straddling = [uses for uses in shared_uses.values() if len(uses) == 2]
+    if not straddling:
+        return
+    warned.add("shared")
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    before, after = (names.get(id(straddling[0][k]), "?") for k in (False, True))
     warn(
         f"a parameter shared by {before!r} and {after!r} is used before the cut and again after "
         f"it: only the use after the cut (by {after!r}) gets a gradient, so its .grad differs "

@@ -11,12 +11,12 @@ Changing the plan is a field write: no hook is added or removed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
+from . import _torch_internals as internals
 from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
@@ -25,6 +25,7 @@ from ._block_calls import (
     distributed_running,
     freeze_for_call,
     has_graph,
+    outside_call,
     pass_around,
     require_a_forward,
     shared_parameter_owners,
@@ -40,16 +41,16 @@ from ._frames import (
     push_frame,
     recover_stale_frames,
     root_call_site,
+    set_prefix_mode,
 )
 from ._fsdp import FsdpPlan
 from ._handles import Handle
-from ._held import HeldFrozen
+from ._held import HeldFrozen, Learners, graph_of
 from ._hooks import ForwardGuard, GateHook, HookSet
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
-from ._torch_internals import maybe_in_backward
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
@@ -79,6 +80,7 @@ class _Cut(Handle):
         self._key = PlanKey(model)
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (cached per plan)
+        self._after: list[bool] | None = None  # per block: the cut opens after it (per plan)
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._keep: frozenset[int] = frozenset()  # ids of their parameters
@@ -88,7 +90,10 @@ class _Cut(Handle):
         self._shared = shared_parameter_owners(model)
         self._shared_ids = frozenset(id(param) for param, _ in self._shared)
         self._in_blocks = frozenset(id(p) for _, m in points for p in m.parameters())
+        self._block_ids = frozenset(id(module) for _, module in points)
+        self._gap_keep = self._in_blocks  # what the code between the blocks leaves trainable
         self._gap_modules: set[int] = set()  # outside modules seen running between blocks
+        self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
@@ -130,9 +135,22 @@ class _Cut(Handle):
             for module in extra:
                 self._extra_hooks.pre(module, GateHook(self, "_enter_extra"), prepend=True)
             self._keep = frozenset(id(p) for module in extra for p in module.parameters())
+            self._gap_keep = self._keep | self._in_blocks
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra, self._first = learn, extra, None
+        self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
+
+    def _hooks_for_plan(self, *, forward: bool = False) -> None:
+        """Block hooks only while a plan needs them: with none, the blocks run hook-free (torch's
+        fast path). They come back with a plan, and go at a ``forward`` without one once a
+        forward has run every stack (for LayerDrop: what runs after each stack is known)."""
+        planned = self._learn is not None or bool(self._skip) or bool(self._extra)
+        if planned and self._hooks.suspended:
+            self._hooks.resume()
+            self._fsdp.hooks_back()
+        elif forward and self._stacks.seen_all and not (planned or self._hooks.suspended):
+            self._hooks.suspend()
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none)."""
@@ -143,6 +161,7 @@ class _Cut(Handle):
             else:
                 opening = (p for p in learn if p not in self._skip)
                 self._first = min(opening, default=len(self._points))
+            self._after = None
         return self._first
 
     def _in_backward(self) -> list[bool]:
@@ -164,6 +183,7 @@ class _Cut(Handle):
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
         self._fsdp.before_forward()
+        self._hooks_for_plan(forward=True)
         if self._held.params and not any(f.gate is self for f in open_frames()):
             self._held.release()  # the last forward had no backward that reached its output
         if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
@@ -181,7 +201,7 @@ class _Cut(Handle):
             self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
-        frame.training = self._set_prefix_mode() if blocking else []
+        frame.training = self._set_prefix_mode(self._model) if blocking else []
         if blocking:
             torch.set_grad_enabled(False)
             if torch.is_autocast_cache_enabled():
@@ -196,10 +216,11 @@ class _Cut(Handle):
         if frame is None:
             return
         held, frame.held = frame.held, []
+        graph = graph_of(output) if frame.blocking or held else []
         if frame.blocking and frame.opened and torch.is_grad_enabled():
-            self._held.hold(held, output, self._learners(frame))
+            self._held.hold(held, graph, self._learners(frame))
         elif held:
-            self._held.hold(held, output, ())
+            self._held.hold(held, graph, Learners())
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
         nothing_learns = (
             frame.blocking
@@ -207,7 +228,8 @@ class _Cut(Handle):
             and frame.opened
             and not frame.explained
             and torch.is_grad_enabled()  # else reentrant checkpointing lost it: warned below
-            and not has_graph(output)
+            and not graph
+            and not has_graph(output)  # an output with no tensors
         )
         close_frame(frame)
         if not raising:  # no diagnostics while an exception propagates
@@ -219,11 +241,15 @@ class _Cut(Handle):
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is None:
-            self._warn_outside_call(position)
+            planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
+            if planned and torch.is_grad_enabled() and not grad_held_off():
+                self._warn_once("outside", outside_call(self._points[position][0], self._model))
             return
         if self._stacks.of[position] not in frame.stacks_ran:
             self._stacks.start(frame, position, planned=self._learn is not None)
-        if position < frame.last_position and position not in frame.ran:
+        if position > frame.last_position:
+            frame.last_position = position
+        elif position < frame.last_position and position not in frame.ran:
             self._warn_once(
                 "order",
                 f"block {self._points[position][0]!r} ran after "
@@ -232,9 +258,9 @@ class _Cut(Handle):
                 "run after the cut without learning pass gradients but get none). Pass "
                 "blocks=[...] in the order they run if that is what you meant.",
             )
-        self._gap_modules.update(frame.gap_calls)  # these ran between blocks
-        frame.gap_calls.clear()
-        frame.last_position = max(frame.last_position, position)
+        if frame.gap_calls:
+            self._gap_modules.update(frame.gap_calls)  # these ran between blocks
+            frame.gap_calls.clear()
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
@@ -244,12 +270,13 @@ class _Cut(Handle):
                 self._close_again(frame)
         if learns and position not in self._skip:
             self._open(frame)
-        elif frame.blocking and not frame.opened and not frame.training:
+        elif frame.blocking and not (frame.opened or frame.training or self.prefix_mode == "keep"):
             frame.block_training[position] = self._set_prefix_mode(module)
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
             frame.skipped_args[position] = args
-            torch.set_grad_enabled(frame.skipped[position] and self._residual.trace(position, args))
+            traced = frame.skipped[position] and self._residual.trace(position, args)
+            internals.set_grad_mode(traced)
         elif not learns and (
             position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
         ):  # a named module inside it may learn (and open the cut): the rest of it does not
@@ -268,13 +295,13 @@ class _Cut(Handle):
                     param.requires_grad_(True)  # another block may learn with them later
             else:
                 frame.held.extend(frozen)
-        if position in frame.block_training:
+        if frame.block_training and position in frame.block_training:
             for block_module, training in frame.block_training.pop(position):
                 block_module.training = training
         replaced = None
-        if position in frame.skipped:
+        if frame.skipped and position in frame.skipped:
             traced = torch.is_grad_enabled()
-            torch.set_grad_enabled(frame.skipped.pop(position))
+            internals.set_grad_mode(frame.skipped.pop(position))
             name = self._points[position][0]
             output = self._residual.check(traced, position, name, args, kwargs, output)
             # around to the args the gate saw, not a later pre-hook's no-graph copies (ZeRO-3)
@@ -287,7 +314,9 @@ class _Cut(Handle):
             self._open(frame)
             if position < self._first_opener() < len(self._points) and _GAP not in frame.frozen:
                 # grad on for checkpoint(), yet the code before the learner records nothing
-                frame.frozen[_GAP] = freeze_for_call(self._model, self._keep | self._in_blocks)
+                frame.frozen[_GAP] = freeze_for_call(
+                    self._model, self._gap_keep, around=self._block_ids
+                )
         return replaced
 
     def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
@@ -341,10 +370,14 @@ class _Cut(Handle):
         stack of the first learner (of the last block when only what runs after the blocks
         learns); the next non-learner closes it again. So a learner called through
         ``checkpoint()`` sees grad on, and LayerDrop cannot keep the cut shut."""
-        assert self._learn is not None
         first = min(self._first_opener(), len(self._points) - 1)
-        opens = position in self._learn and position not in self._skip
-        return not opens and self._stacks.of[position] == self._stacks.of[first]
+        if self._after is None:  # once per plan: it is asked after every block before the cut
+            learn, skip, stack_of = self._learn or (), self._skip, self._stacks.of
+            self._after = [
+                not (p in learn and p not in skip) and stack_of[p] == stack_of[first]
+                for p in range(len(self._points))
+            ]
+        return self._after[position]
 
     def _open(self, frame: Frame) -> None:
         if not frame.blocking or frame.opened:
@@ -352,95 +385,62 @@ class _Cut(Handle):
         frame.opened = True
         if frame.autocast_cache is not None:
             torch.set_autocast_cache_enabled(frame.autocast_cache)
-        for prefix_module, training in [
-            *frame.training,
-            *(m for ms in frame.block_training.values() for m in ms),
-        ]:  # also a block running before the cut that a named module inside it opens
-            prefix_module.training = training
-        frame.training, frame.block_training = [], {}
-        if not grad_held_off():
-            torch.set_grad_enabled(True)  # a blocking frame always traces back to grad on
+        if frame.training or frame.block_training:
+            for prefix_module, training in [
+                *frame.training,
+                *(m for ms in frame.block_training.values() for m in ms),
+            ]:  # also a block running before the cut that a named module inside it opens
+                prefix_module.training = training
+            frame.training, frame.block_training = [], {}
+        if len(open_frames()) == 1 or not grad_held_off():  # one: this one, open now
+            internals.set_grad_mode(True)  # a blocking frame always traces back to grad on
 
     def _close_again(self, frame: Frame) -> None:
         frame.tentative = None
         frame.opened = False
-        torch.set_grad_enabled(False)
+        internals.set_grad_mode(False)
         if frame.autocast_cache is not None:
             torch.set_autocast_cache_enabled(False)
 
     def _learns(self, position: int) -> bool:
         return self._learn is not None and position in self._learn
 
-    def _learners(self, frame: Frame) -> Iterable[nn.Parameter]:
-        """Parameters this forward's graph gives gradients to that a later forward may freeze."""
-        for position in frame.ran:
-            if self._learns(position) and position not in self._skip:
-                yield from self._points[position][1].parameters()
-        for module in self._extra:
-            yield from module.parameters()
+    def _learners(self, frame: Frame) -> Learners:
+        """The modules whose parameters this forward's graph gives gradients to."""
+        learn, skip = self._learn, self._skip
+        ran = [p for p in frame.ran if learn is not None and p in learn and p not in skip]
+        return Learners(*(self._points[p][1] for p in ran), *self._extra)
 
     def _own_frame(self) -> Frame | None:
-        for frame in reversed(open_frames()):
+        frames = open_frames()
+        if frames and frames[-1].gate is self:  # one gated model running: the usual case
+            return frames[-1]
+        for frame in reversed(frames):
             if frame.gate is self:
                 return frame
         return None
 
-    # -- what lies before the cut --------------------------------------------------------------
-    def _set_prefix_mode(self, block: nn.Module | None = None) -> list[tuple[nn.Module, bool]]:
-        """Put what may run before the cut in the prefix mode: the whole model, or one block.
-
-        Containers of blocks keep their mode (their forward also runs the learning part); the
-        modes come back when the cut opens, so what runs after it is untouched. A block that
-        runs before the cut after it opened once (it closes again between blocks) gets the
-        prefix mode for its own call.
-        """
-        if self.prefix_mode == "keep":
-            return []
-        keep = {""} | {a for name, _ in self._points for a in ancestors(name)}
-        changed = []
-        named = self._model.named_modules() if block is None else block.named_modules(prefix="·")
-        for name, module in named:
-            if name not in keep:
-                changed.append((module, module.training))
-                module.training = self.prefix_mode == "train"
-        return changed
+    def _set_prefix_mode(self, module: nn.Module) -> list[tuple[nn.Module, bool]]:
+        return set_prefix_mode(
+            module, self.prefix_mode, self._containers, whole=module is self._model
+        )
 
     # -- diagnostics ---------------------------------------------------------------------------
     def _warn_after_forward(self, frame: Frame, never_opened: bool, nothing_learns: bool) -> None:
         said = (never_opened or nothing_learns) and warn_learners_not_run(self, frame, never_opened)
         if nothing_learns and not said:  # the first warns every time: it is about this step
             self._warn_once("nothing-learns", NOTHING_LEARNS)
-        straddling = [uses for uses in frame.shared_uses.values() if len(uses) == 2]
-        if straddling and "shared" not in self._warned:
-            self._warned.add("shared")
-            names = {id(m): n for n, m in self._model.named_modules(remove_duplicate=False)}
-            before, after = (names.get(id(straddling[0][k]), "?") for k in (False, True))
-            warn_shared_straddles(before, after)
-
-    def _warn_outside_call(self, position: int) -> None:
-        planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
-        if not planned or not torch.is_grad_enabled() or grad_held_off():
-            return
-        if maybe_in_backward():
-            return  # activation checkpointing recomputing the block during backward
-        self._warn_once(
-            "outside",
-            f"block {self._points[position][0]!r} ran outside a call of the gated "
-            f"{type(self._model).__name__}, so the plan (depth, learn, skip) does not apply to "
-            "it: it learns fully. Call the gated model itself, or gate the module you call.",
-        )
+        if frame.shared_uses and "shared" not in self._warned:
+            warn_shared_straddles(self._model, frame.shared_uses, self._warned)
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
+        if message and key not in self._warned:  # no message: nothing to say this time
             self._warned.add(key)
             warn(message, BlockCallWarning)
 
-    def _close_own_frames(self) -> None:
+    def _remove_hooks(self) -> None:
         for frame in [f for f in open_frames() if f.gate is self]:
             close_frame(frame)
-
-    def _remove_hooks(self) -> None:
-        self._close_own_frames()
         self._guard.uninstall()
         self._held.backward_done()
         self._hooks.remove()

@@ -118,6 +118,27 @@ def close_frame(frame: Frame) -> None:
     frame.call_site = None
 
 
+def set_prefix_mode(
+    module: nn.Module, mode: str, containers: set[str], *, whole: bool
+) -> list[tuple[nn.Module, bool]]:
+    """Put what may run before the cut in the prefix mode (``'eval'``, ``'train'``; ``'keep'``
+    changes nothing): the whole model, or one block. Returns the modes to put back.
+
+    ``containers`` (names of the modules holding blocks) keep their mode: their forward also runs
+    the learning part. The modes come back when the cut opens, so what runs after it is
+    untouched. A block that runs before the cut after it opened once (it closes again between
+    blocks) gets the prefix mode for its own call.
+    """
+    if mode == "keep":
+        return []
+    changed = []
+    for name, submodule in module.named_modules() if whole else module.named_modules(prefix="·"):
+        if name and name not in containers:
+            changed.append((submodule, submodule.training))
+            submodule.training = mode == "train"
+    return changed
+
+
 def root_call_site() -> FrameType:
     """The Python frame of the root module's call that is running the hooks now."""
     frame: FrameType | None = sys._getframe(2)

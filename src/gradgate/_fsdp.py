@@ -103,6 +103,12 @@ class FsdpPlan:
                 hook_set.outermost()
             self.plan_changed()
 
+    def hooks_back(self) -> None:
+        """The gate's hooks were put back (see HookSet.resume): around FSDP2's again."""
+        if self._sharded:
+            for hook_set in self._hooks:
+                hook_set.outermost()
+
     def after_forward(self, output: Any) -> None:
         """Keep this forward's blocks all-gathered in backward until its backward is done."""
         if not self._sharded:

@@ -108,6 +108,7 @@ class BackpropGate(_Cut):
         positions = self._positions(items, option="skip")
         self._skip = frozenset(positions)
         self._first = None
+        self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
     def _resolve_learn(self, value: Iterable[int | str]) -> tuple[set[int], list[nn.Module]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -10,6 +9,25 @@ from torch import nn
 
 from ._autograd import tensors_in
 from ._torch_internals import queue_after_backward
+
+
+class Learners:
+    """The modules one forward's graph gives gradients to; their parameters are looked up only
+    when a later forward before the backward freezes something (rarely: most steps have one
+    forward and freeze nothing)."""
+
+    __slots__ = ("modules",)
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self.modules = modules
+
+    def parameter_ids(self) -> set[int]:
+        return {id(param) for module in self.modules for param in module.parameters()}
+
+
+def graph_of(output: Any) -> list[torch.Tensor]:
+    """The tensors in ``output`` that backward can start from."""
+    return [tensor for tensor in tensors_in(output) if tensor.requires_grad]
 
 
 class HeldFrozen:
@@ -23,17 +41,27 @@ class HeldFrozen:
 
     def __init__(self) -> None:
         self.params: list[nn.Parameter] = []
-        self._learners: set[int] = set()  # ids of parameters pending forwards learn
+        # what the forwards whose backward is pending learn: ids, and modules not looked up yet
+        self._learned: set[int] = set()
+        self._learners: list[Learners] = []
 
-    def hold(self, params: list[nn.Parameter], output: Any, learners: Iterable[Any]) -> None:
-        graph = [t for t in tensors_in(output) if t.requires_grad]
+    def hold(
+        self, params: list[nn.Parameter], graph: list[torch.Tensor], learners: Learners
+    ) -> None:
+        """Hold ``params`` frozen until the backward from ``graph`` (a forward's output tensors
+        that require grad) is done."""
         if not graph:
             _give_back(params)
             return
-        pending = self._learners
-        _give_back([p for p in params if id(p) in pending])
-        self.params.extend(p for p in params if id(p) not in pending)
-        pending.update(id(p) for p in learners)
+        if params and (self._learners or self._learned):
+            pending = self._pending()
+            _give_back([p for p in params if id(p) in pending])
+            params = [p for p in params if id(p) not in pending]
+        self.params.extend(params)
+        if not self._learners or self._learners[-1].modules != learners.modules:
+            self._learners.append(learners)
+        if len(self._learners) > 16:  # forwards with no backward (an evaluation with grad on)
+            self._pending()
         queued: list[bool] = []
 
         def at_backward(grad: torch.Tensor) -> None:
@@ -51,7 +79,14 @@ class HeldFrozen:
 
     def backward_done(self) -> None:
         self.release()
+        self._learned.clear()
         self._learners.clear()
+
+    def _pending(self) -> set[int]:
+        for learners in self._learners:
+            self._learned |= learners.parameter_ids()
+        self._learners.clear()
+        return self._learned
 
 
 def _give_back(params: list[nn.Parameter]) -> None:

@@ -69,15 +69,55 @@ def _detached() -> _Detached:
 
 
 class HookSet:
-    """The forward hooks one gradgate object registered; ``remove()`` takes them all off."""
+    """The forward hooks one gradgate object registered; ``remove()`` takes them all off.
+
+    ``suspend()`` takes the module hooks off for a while (a module with no hook takes torch's
+    fast path: no hook dispatch at all) and ``resume()`` puts them back where they were among the
+    module's other hooks.
+    """
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle | _InstanceForward] = []
         self._pre: set[int] = set()  # ids of the pre-hook handles
+        # each module hook as first registered: (module, hook, pre, options, handle id)
+        self._registered: list[tuple[nn.Module, GateHook, bool, dict[str, Any], int]] = []
+        self.suspended = False
 
     def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
-        self._handles.append(module.register_forward_pre_hook(hook, **options))
-        self._pre.add(id(self._handles[-1]))
+        self._register(module, hook, True, options)
+
+    def _register(self, module: nn.Module, hook: GateHook, pre: bool, options: Any) -> None:
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        handle = register(hook, **options)
+        self._handles.append(handle)
+        if pre:
+            self._pre.add(id(handle))
+        if not self.suspended:  # not a resume
+            self._registered.append((module, hook, pre, options, handle.id))
+
+    def suspend(self) -> None:
+        """Take the module hooks off; wrapped forwards (see wrap) stay."""
+        self.suspended = True
+        for handle in self._handles:
+            if isinstance(handle, RemovableHandle):
+                handle.remove()
+        self._handles = [h for h in self._handles if not isinstance(h, RemovableHandle)]
+        self._pre.clear()
+
+    def resume(self) -> None:
+        """Put the module hooks back: before the hooks registered after them (a prepended one
+        first), as when they were first registered."""
+        ours: set[int] = set()
+        for module, hook, pre, options, first_id in self._registered:
+            self._register(module, hook, pre, options)
+            handle = self._handles[-1]
+            assert isinstance(handle, RemovableHandle)
+            ours.add(handle.id)
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and not options.get("prepend"):
+                for later in [key for key in hooks if key > first_id and key not in ours]:
+                    hooks.move_to_end(later)
+        self.suspended = False
 
     def outermost(self) -> None:
         """Run these hooks around those registered after them: pre-hooks first, the others
@@ -90,7 +130,7 @@ class HookSet:
                 hooks.move_to_end(handle.id, last=id(handle) not in self._pre)
 
     def post(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
-        self._handles.append(module.register_forward_hook(hook, **options))
+        self._register(module, hook, False, options)
 
     def wrap(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
         """Hooks for a module whose forward must see no module hooks (see HookedForward)."""
@@ -101,6 +141,7 @@ class HookSet:
     def remove(self) -> None:
         handles, self._handles = self._handles, []
         self._pre.clear()
+        self._registered, self.suspended = [], False
         for handle in handles:
             handle.remove()
 

@@ -43,6 +43,7 @@ SEQUENCE_NR = _lookup("torch._C._autograd", "_get_sequence_nr")
 TOP_SAVED_HOOKS = _lookup("torch._C._autograd", "_top_saved_tensors_default_hooks")
 EVAL_FRAME = _lookup("torch._C._dynamo", "eval_frame")
 ENGINE = _lookup("torch.autograd", "Variable", "_execution_engine")
+SET_GRAD = _lookup("torch._C", "_set_grad_enabled")
 # torch._dynamo itself is imported on first need only: it takes about a second.
 DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
@@ -124,6 +125,11 @@ def maybe_in_backward() -> bool:
     """Whether an autograd node's backward may be running now (activation checkpointing
     recomputing a forward): true where torch cannot say."""
     return CURRENT_NODE is None or CURRENT_NODE() is not None
+
+
+# ``torch.set_grad_enabled(mode)`` builds a context manager (three times the cost) to call this
+# setter; a gate switches grad mode between blocks, every block of every step
+set_grad_mode: Callable[[bool], Any] = SET_GRAD or torch.set_grad_enabled
 
 
 def next_sequence_nr() -> int:

@@ -1,0 +1,142 @@
+"""What keeps the gate cheap stays exact: hooks only while a plan needs them, put back in their
+place; per-plan caches follow every plan change (timings live in benchmarks, not here)."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradgate as gg
+from gradgate._hooks import GateHook
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x).tanh()
+
+
+def _mlp(n: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Residual() for _ in range(n)])
+
+
+def _gate_hooks(module: nn.Module) -> int:
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return sum(isinstance(hook, GateHook) for hook in hooks)
+
+
+def test_no_plan_takes_the_block_hooks_off_at_a_forward_and_a_plan_puts_them_back() -> None:
+    model = _mlp()
+    x = torch.randn(2, 3)
+    gate = gg.BackpropGate(model)
+    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    model(x)  # the first forward learns the run order; the next one runs hook-free
+    model(x)
+    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+    gate.depth = 2  # at once: a block called on its own must still see the plan
+    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    gate.depth = None
+    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]  # off at the next forward
+    model(x)
+    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+    gate.skip = {1}
+    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    gate.remove()
+    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+
+
+def test_hooks_come_back_in_their_place_among_other_hooks() -> None:
+    model = _mlp(2)
+    x = torch.randn(2, 3)
+    block = model[1]
+    before_pre = block.register_forward_pre_hook(lambda m, a: None)
+    gate = gg.BackpropGate(model)
+    after_pre = block.register_forward_pre_hook(lambda m, a: None)
+    after_post = block.register_forward_hook(lambda m, a, o: None)
+
+    def order() -> list[str]:
+        names = {before_pre.id: "user-before", after_pre.id: "user-after"}
+        names[after_post.id] = "user-after"
+        return [
+            names.get(key, type(hook).__name__)
+            for hooks in (block._forward_pre_hooks, block._forward_hooks)
+            for key, hook in hooks.items()
+        ]
+
+    first = order()
+    assert first == ["GateHook", "user-before", "user-after", "GateHook", "user-after"]
+    model(x)
+    model(x)
+    assert order() == ["user-before", "user-after", "user-after"]
+    gate.depth = 1
+    assert order() == first
+    gate.remove()
+    assert order() == ["user-before", "user-after", "user-after"]
+
+
+def test_a_block_called_outside_the_gated_call_warns_after_hooks_were_off() -> None:
+    model = _mlp()
+    x = torch.randn(2, 3)
+    gate = gg.BackpropGate(model)
+    model(x)
+    model(x)
+    gate.depth = 1
+    with pytest.warns(gg.BlockCallWarning, match="ran outside a call of the gated"):
+        model[3](x)
+    gate.remove()
+
+
+def _plain_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(model(x).pow(2).sum(), list(params.values()))
+    return dict(zip(params, grads, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(plans=st.lists(st.one_of(st.none(), st.integers(1, 4), st.just("skip")), max_size=8))
+def test_any_sequence_of_plans_is_exact_at_every_step(plans: list[int | str | None]) -> None:
+    """Hooks going off and on between steps (None, depths, DropBP) never change a gradient."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    want = _plain_grads(reference, x := torch.randn(2, 3))
+    gate = gg.BackpropGate(model)
+    for plan in [*plans, None]:
+        gate.skip = {1} if plan == "skip" else None
+        gate.depth = None if plan == "skip" else plan
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if plan is None:
+            assert got.keys() == want.keys()
+        elif plan != "skip":
+            blocks = {name.split(".")[0] for name in got}
+            assert blocks == {str(i) for i in range(4 - plan, 4)}
+        for name in got if plan != "skip" else ():
+            torch.testing.assert_close(got[name], want[name], msg=name)
+    gate.remove()
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_forward_with_no_backward_keeps_little_for_the_next() -> None:
+    """Forwards whose backward never comes (an evaluation with grad on) do not pile up what
+    they learned; the next step's frozen blocks still come back."""
+    model, batch, loss_fn = models.gpt2(layers=3)
+    with gg.BackpropGate(model) as gate:
+        gate.learn = {0, 2}  # block 1 runs after the cut and is frozen for its call
+        for _ in range(40):
+            loss_fn(model, batch)
+        assert len(gate._held._learners) <= 17
+        loss_fn(model, batch).backward()
+        assert all(p.requires_grad for p in model.parameters())
+        assert all(p.grad is None for p in model.transformer.h[1].parameters())
+        assert all(p.grad is not None for p in model.transformer.h[2].parameters())
