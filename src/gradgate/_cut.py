@@ -6,7 +6,8 @@ the caller had it on); a non-learning block that runs after that (called again, 
 order) runs frozen for that call, so gradients pass through it but it gets none; a skipped block
 (DropBP) runs with no graph and the gradient passes around it through its residual path. The
 wrapper restores everything when ``forward`` returns or raises, ``KeyboardInterrupt`` included.
-Changing the plan is a field write: no hook is added or removed.
+Changing the plan is a field write; only with no plan at all do the block hooks come off (at
+the next forward), to come back when a plan is set.
 """
 
 from __future__ import annotations
