@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._autograd import tensors_in
 from ._errors import GradgateError
+from ._held import graph_of
 from ._hooks import HookSet
 from ._torch_internals import queue_after_backward
 
@@ -114,7 +114,7 @@ class FsdpPlan:
         if not self._sharded:
             return
         self._wanted = self._needs()  # also learns where named modules ran
-        graph = [t for t in tensors_in(output) if t.requires_grad]
+        graph = graph_of(output)
         if graph:
             key = next(self._keys)
             self._pending[key] = self._wanted
