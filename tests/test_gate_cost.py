@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
-from gradgate._hooks import GateHook
+from gradgate._hooks import GateHook, HookedForward
 
 
 class Residual(nn.Module):
@@ -35,24 +35,75 @@ def _gate_hooks(module: nn.Module) -> int:
     return sum(isinstance(hook, GateHook) for hook in hooks)
 
 
-def test_no_plan_takes_the_block_hooks_off_at_a_forward_and_a_plan_puts_them_back() -> None:
+def _wrapped(module: nn.Module) -> bool:
+    """Whether the gate runs its hooks from the module's forward (no module hook)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, HookedForward) and forward.runs
+
+
+def test_blocks_take_torchs_fast_path_with_a_plan_and_module_hooks_only_beside_others() -> None:
     model = _mlp()
     x = torch.randn(2, 3)
-    gate = gg.BackpropGate(model)
-    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
-    model(x)  # the first forward learns the run order; the next one runs hook-free
+    gate = gg.BackpropGate(model, depth=2)
+    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+    assert all(_wrapped(block) for block in model)
+    handle = model[1].register_forward_pre_hook(lambda m, a: None)
+    model(x)  # the next forward finds the user's hook: the gate's hooks go around it
+    assert [_gate_hooks(block) for block in model] == [0, 2, 0, 0]
+    assert [_wrapped(block) for block in model] == [True, False, True, True]
+    handle.remove()
     model(x)
     assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
-    gate.depth = 2  # at once: a block called on its own must still see the plan
-    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        model(x)  # a global hook runs around every module's own: every gate hook is one
+        assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    finally:
+        handle.remove()
+    model(x)
+    assert not any(_gate_hooks(block) for block in model)
     gate.depth = None
-    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]  # off at the next forward
-    model(x)
-    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+    model(x)  # no plan: the wrappers only call through
+    assert not any(_wrapped(block) or _gate_hooks(block) for block in model)
     gate.skip = {1}
-    assert [_gate_hooks(block) for block in model] == [2, 2, 2, 2]
+    assert all(_wrapped(block) for block in model)
     gate.remove()
-    assert [_gate_hooks(block) for block in model] == [0, 0, 0, 0]
+    assert all("forward" not in block.__dict__ and not _gate_hooks(block) for block in model)
+
+
+def test_a_user_pre_hook_on_a_cut_off_block_runs_after_the_gate_turned_grad_off() -> None:
+    """Beside other hooks the gate's are module hooks: a user's pre-hook on a block before the
+    cut sees grad off (the gate's pre-hook ran first), as when the gate had been hooked all along
+    (the cut opens after each block of the learner's stack for checkpoint(), and closes again)."""
+    model = _mlp()
+    seen: list[bool] = []
+    model[1].register_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
+    gate = gg.BackpropGate(model, depth=1)
+    model(torch.randn(2, 3)).sum().backward()
+    assert seen == [False]
+    assert [p.grad is not None for p in model.parameters()] == [False] * 6 + [True] * 2
+    gate.remove()
+
+
+def test_a_hook_prepended_while_the_gates_were_off_runs_before_them() -> None:
+    model = _mlp(2)
+    block = model[1]
+    first = block.register_forward_pre_hook(lambda m, a: None)
+    gate = gg.BackpropGate(model, depth=1)
+    assert [type(h).__name__ for h in block._forward_pre_hooks.values()] == [
+        "GateHook",
+        "function",
+    ]
+    model(torch.randn(2, 3))
+    gate.depth = None
+    model(torch.randn(2, 3))  # no plan: hooks off
+    model(torch.randn(2, 3))
+    early = block.register_forward_pre_hook(lambda m, a: None, prepend=True)
+    gate.depth = 1
+    keys = list(block._forward_pre_hooks)
+    assert keys.index(early.id) == 0 and keys.index(first.id) == 2
+    assert isinstance(block._forward_pre_hooks[keys[1]], GateHook)
+    gate.remove()
 
 
 def test_hooks_come_back_in_their_place_among_other_hooks() -> None:

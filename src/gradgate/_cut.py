@@ -47,7 +47,8 @@ from ._frames import (
 from ._fsdp import FsdpPlan
 from ._handles import Handle
 from ._held import HeldFrozen, Learners, graph_of
-from ._hooks import ForwardGuard, GateHook, HookSet
+from ._hook_set import HookSet
+from ._hooks import ForwardGuard, GateHook
 from ._plan_key import PlanKey
 from ._select import ancestors
 from ._stacks import Stacks
@@ -107,21 +108,14 @@ class _Cut(Handle):
         self._hooks = HookSet()
         for position, (_, module) in enumerate(points):
             enter = GateHook(self, "_enter_block", position)
-            exit = GateHook(self, "_exit_block", position)
-            if isinstance(module, nn.TransformerEncoderLayer):  # keep its fused no-grad path
-                self._hooks.wrap(module, enter, exit)
-            else:
-                self._hooks.pre(module, enter, prepend=True)
-                self._hooks.post(module, exit, with_kwargs=True)
+            self._hooks.around(module, enter, GateHook(self, "_exit_block", position), prepend=True)
         for index, module in enumerate(self._stacks.outside):
-            self._hooks.pre(module, GateHook(self, "_enter_outside", index))
+            self._hooks.around(module, GateHook(self, "_enter_outside", index))
         for index, (_, owners) in enumerate(self._shared):
             for owner in owners:
-                self._hooks.pre(owner, GateHook(self, "_use_shared", index))
-        self._extra_hooks = HookSet()
-        self._fsdp = FsdpPlan(
-            [m for _, m in points], self._in_backward, self._hooks, self._extra_hooks
-        )
+                self._hooks.around(owner, GateHook(self, "_use_shared", index))
+        self._extra_hooks: list[Any] = []  # what around() gave for the named modules
+        self._fsdp = FsdpPlan([m for _, m in points], self._in_backward, self._hooks)
         enter, exit = GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
         self._guard = ForwardGuard(model, enter, exit, [module for _, module in points])
         self._guard.install()
@@ -132,9 +126,12 @@ class _Cut(Handle):
     ) -> None:
         self._require_active()
         if extra != self._extra:
-            self._extra_hooks.remove()
-            for module in extra:
-                self._extra_hooks.pre(module, GateHook(self, "_enter_extra"), prepend=True)
+            self._hooks.discard(self._extra_hooks)
+            self._extra_hooks = [
+                hook
+                for module in extra
+                for hook in self._hooks.around(module, GateHook(self, "_enter_extra"), prepend=True)
+            ]
             self._keep = frozenset(id(p) for module in extra for p in module.parameters())
             self._gap_keep = self._keep | self._in_blocks
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
@@ -149,9 +146,10 @@ class _Cut(Handle):
         planned = self._learn is not None or bool(self._skip) or bool(self._extra)
         if planned and self._hooks.suspended:
             self._hooks.resume()
-            self._fsdp.hooks_back()
         elif forward and self._stacks.seen_all and not (planned or self._hooks.suspended):
             self._hooks.suspend()
+        elif forward:
+            self._hooks.fit()  # module hooks where the module has others now, else wrappers
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none)."""
@@ -183,11 +181,13 @@ class _Cut(Handle):
     # -- around the root's forward ---------------------------------------------------------
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         recover_stale_frames()
-        self._fsdp.before_forward()
+        distributed = distributed_running()
+        if distributed:
+            self._fsdp.before_forward()
         self._hooks_for_plan(forward=True)
         if self._held.params and not any(f.gate is self for f in open_frames()):
             self._held.release()  # the last forward had no backward that reached its output
-        if not self._ddp_checked and distributed_running():  # find a DDP wrapper once
+        if distributed and not self._ddp_checked:  # find a DDP wrapper once
             from .distributed import calling_ddp, require_find_unused_parameters
 
             self._ddp_checked = True
@@ -202,9 +202,10 @@ class _Cut(Handle):
             self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
-        frame.training = self._set_prefix_mode(self._model) if blocking else []
+        if blocking and self.prefix_mode != "keep":
+            frame.training = self._set_prefix_mode(self._model)
         if blocking:
-            torch.set_grad_enabled(False)
+            internals.set_grad_mode(False)
             if torch.is_autocast_cache_enabled():
                 # Autocast caches low-precision copies of weights that require grad until the
                 # autocast region ends, even under no_grad: without the cache the prefix's
@@ -216,6 +217,7 @@ class _Cut(Handle):
         frame = self._own_frame()
         if frame is None:
             return
+        mark = internals.hooks_registered()  # the tensor hooks registered here are the gate's
         held, frame.held = frame.held, []
         graph = graph_of(output) if frame.blocking or held else []
         if frame.blocking and frame.opened and torch.is_grad_enabled():
@@ -237,6 +239,7 @@ class _Cut(Handle):
             self._stacks.learn(frame)
             self._warn_after_forward(frame, never_opened, nothing_learns)
             self._fsdp.after_forward(output)
+        self._hooks.registered_since(mark)
 
     # -- block hooks ---------------------------------------------------------------------------
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
@@ -408,9 +411,7 @@ class _Cut(Handle):
 
     def _learners(self, frame: Frame) -> Learners:
         """The modules whose parameters this forward's graph gives gradients to."""
-        learn, skip = self._learn, self._skip
-        ran = [p for p in frame.ran if learn is not None and p in learn and p not in skip]
-        return Learners(*(self._points[p][1] for p in ran), *self._extra)
+        return Learners.of_run(self._points, frame.ran, self._learn, self._skip, self._extra)
 
     def _own_frame(self) -> Frame | None:
         frames = open_frames()
@@ -445,6 +446,5 @@ class _Cut(Handle):
         self._guard.uninstall()
         self._held.backward_done()
         self._hooks.remove()
-        self._extra_hooks.remove()
         self._stale_grads.remove()
         self._fsdp.restore()

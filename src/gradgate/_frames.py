@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _torch_internals as internals
 from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
 
 _THREAD = threading.local()  # the gated root forwards running in this thread, outermost first
@@ -40,11 +41,15 @@ def push_frame(frame: Frame, *, alone: bool) -> None:
     """
     with _ENTERING:
         me = threading.get_ident()
-        if alone and any(
-            f.gate is frame.gate
-            for thread, frames in _EVERY_THREAD.items()
-            if thread != me
-            for f in list(frames)
+        if (
+            alone
+            and len(_EVERY_THREAD) > 1
+            and any(
+                f.gate is frame.gate
+                for thread, frames in _EVERY_THREAD.items()
+                if thread != me
+                for f in list(frames)
+            )
         ):
             raise BlockCallError(
                 f"another thread is running a forward of this gated model, and "
@@ -56,7 +61,7 @@ def push_frame(frame: Frame, *, alone: bool) -> None:
         open_frames().append(frame)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Frame:
     """What one gated root forward changed, so that it can be put back exactly."""
 
@@ -97,7 +102,7 @@ def close_frame(frame: Frame) -> None:
         return
     held_before = grad_held_off()
     frames.remove(frame)
-    for params in [*frame.frozen.values(), frame.held]:
+    for params in [*frame.frozen.values(), frame.held] if frame.frozen or frame.held else ():
         for param in params:
             param.requires_grad_(True)
     # a block that raised skipped its own exit hook: what it changed is put back here
@@ -107,13 +112,13 @@ def close_frame(frame: Frame) -> None:
     ]:
         module.training = training
     if frame.skipped:
-        torch.set_grad_enabled(next(iter(frame.skipped.values())))
+        internals.set_grad_mode(next(iter(frame.skipped.values())))
     if frame.autocast_cache is not None:
         torch.set_autocast_cache_enabled(frame.autocast_cache)
     if frame.blocking and held_before and not grad_held_off():
-        torch.set_grad_enabled(True)
+        internals.set_grad_mode(True)
     elif frame.blocking and frame.opened and not torch.is_grad_enabled() and frame.grad_before:
-        torch.set_grad_enabled(True)
+        internals.set_grad_mode(True)
         warn_lost_grad_mode()
     frame.call_site = None
 

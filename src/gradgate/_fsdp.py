@@ -12,7 +12,7 @@ from torch import nn
 
 from ._errors import GradgateError
 from ._held import graph_of
-from ._hooks import HookSet
+from ._hook_set import HookSet
 from ._torch_internals import queue_after_backward
 
 
@@ -77,7 +77,7 @@ class FsdpPlan:
     """
 
     def __init__(
-        self, blocks: list[nn.Module], needs: Callable[[], list[bool]], *hooks: HookSet
+        self, blocks: list[nn.Module], needs: Callable[[], list[bool]], hooks: HookSet
     ) -> None:
         self._blocks, self._needs, self._hooks = blocks, needs, hooks
         self._sharded = _any_sharded(blocks)
@@ -99,15 +99,8 @@ class FsdpPlan:
             return
         if _any_sharded(self._blocks):
             self._sharded = True
-            for hook_set in self._hooks:
-                hook_set.outermost()
+            self._hooks.outermost()
             self.plan_changed()
-
-    def hooks_back(self) -> None:
-        """The gate's hooks were put back (see HookSet.resume): around FSDP2's again."""
-        if self._sharded:
-            for hook_set in self._hooks:
-                hook_set.outermost()
 
     def after_forward(self, output: Any) -> None:
         """Keep this forward's blocks all-gathered in backward until its backward is done."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -12,21 +13,42 @@ from ._torch_internals import queue_after_backward
 
 
 class Learners:
-    """The modules one forward's graph gives gradients to; their parameters are looked up only
-    when a later forward before the backward freezes something (rarely: most steps have one
-    forward and freeze nothing)."""
+    """The modules one forward's graph gives gradients to: ``find()`` names them, only when a
+    later forward before the backward freezes something (rarely: most steps have one forward and
+    freeze nothing). Forwards with equal ``key`` have the same learners."""
 
-    __slots__ = ("modules",)
+    __slots__ = ("_find", "key")
 
-    def __init__(self, *modules: nn.Module) -> None:
-        self.modules = modules
+    def __init__(
+        self, key: tuple[Any, ...] = (), find: Callable[[], Iterable[nn.Module]] = tuple
+    ) -> None:
+        self.key, self._find = key, find
+
+    @classmethod
+    def of_run(
+        cls,
+        points: list[tuple[str, nn.Module]],
+        ran: set[int],
+        learn: range | frozenset[int] | None,
+        skip: frozenset[int],
+        extra: tuple[nn.Module, ...],
+    ) -> Learners:
+        """The blocks at ``ran`` (positions) that learn and are not skipped, and ``extra``."""
+
+        def find() -> list[nn.Module]:
+            blocks = [p for p in ran if learn is not None and p in learn and p not in skip]
+            return [*(points[p][1] for p in blocks), *extra]
+
+        return cls((learn, skip, extra, ran), find)
 
     def parameter_ids(self) -> set[int]:
-        return {id(param) for module in self.modules for param in module.parameters()}
+        return {id(param) for module in self._find() for param in module.parameters()}
 
 
 def graph_of(output: Any) -> list[torch.Tensor]:
     """The tensors in ``output`` that backward can start from."""
+    if isinstance(output, torch.Tensor):  # the usual output: no tree to walk
+        return [output] if output.requires_grad else []
     return [tensor for tensor in tensors_in(output) if tensor.requires_grad]
 
 
@@ -58,19 +80,20 @@ class HeldFrozen:
             _give_back([p for p in params if id(p) in pending])
             params = [p for p in params if id(p) not in pending]
         self.params.extend(params)
-        if not self._learners or self._learners[-1].modules != learners.modules:
+        if not self._learners or self._learners[-1].key != learners.key:
             self._learners.append(learners)
         if len(self._learners) > 16:  # forwards with no backward (an evaluation with grad on)
             self._pending()
         queued: list[bool] = []
 
-        def at_backward(grad: torch.Tensor) -> None:
+        def at_backward(*grads: Any) -> None:
             if not queued:
                 queued.append(True)
                 queue_after_backward(self.backward_done)  # else released at the next forward
 
         for tensor in graph:
-            tensor.register_hook(at_backward)
+            node = tensor.grad_fn  # a hook on the node: cheaper than a tensor's first hook
+            (tensor.register_hook if node is None else node.register_prehook)(at_backward)
 
     def release(self) -> None:
         """Give back every parameter held frozen."""

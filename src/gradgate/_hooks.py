@@ -1,19 +1,20 @@
-"""Module hooks that belong to one gradgate object and never travel with a copy of the model.
+"""Hooks that belong to one gradgate object and never travel with a copy of the model.
 
 ``copy.deepcopy``, ``pickle`` and ``torch.save`` copy a module's hook dictionaries. A
 :class:`GateHook` copies as :data:`DETACHED`, a hook that does nothing and removes itself from the
-copy the first time it runs, so a copy is an ordinary model with no gradgate state.
+copy the first time it runs, so a copy is an ordinary model with no gradgate state. Wrappers
+installed as a module's ``forward`` copy as the forward they wrapped.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import _torch_internals as internals
 from ._frames_compile import (
@@ -66,84 +67,6 @@ DETACHED = _Detached()
 
 def _detached() -> _Detached:
     return DETACHED
-
-
-class HookSet:
-    """The forward hooks one gradgate object registered; ``remove()`` takes them all off.
-
-    ``suspend()`` takes the module hooks off for a while (a module with no hook takes torch's
-    fast path: no hook dispatch at all) and ``resume()`` puts them back where they were among the
-    module's other hooks.
-    """
-
-    def __init__(self) -> None:
-        self._handles: list[RemovableHandle | _InstanceForward] = []
-        self._pre: set[int] = set()  # ids of the pre-hook handles
-        # each module hook as first registered: (module, hook, pre, options, handle id)
-        self._registered: list[tuple[nn.Module, GateHook, bool, dict[str, Any], int]] = []
-        self.suspended = False
-
-    def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
-        self._register(module, hook, True, options)
-
-    def _register(self, module: nn.Module, hook: GateHook, pre: bool, options: Any) -> None:
-        register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        handle = register(hook, **options)
-        self._handles.append(handle)
-        if pre:
-            self._pre.add(id(handle))
-        if not self.suspended:  # not a resume
-            self._registered.append((module, hook, pre, options, handle.id))
-
-    def suspend(self) -> None:
-        """Take the module hooks off; wrapped forwards (see wrap) stay."""
-        self.suspended = True
-        for handle in self._handles:
-            if isinstance(handle, RemovableHandle):
-                handle.remove()
-        self._handles = [h for h in self._handles if not isinstance(h, RemovableHandle)]
-        self._pre.clear()
-
-    def resume(self) -> None:
-        """Put the module hooks back: before the hooks registered after them (a prepended one
-        first), as when they were first registered."""
-        ours: set[int] = set()
-        for module, hook, pre, options, first_id in self._registered:
-            self._register(module, hook, pre, options)
-            handle = self._handles[-1]
-            assert isinstance(handle, RemovableHandle)
-            ours.add(handle.id)
-            hooks = handle.hooks_dict_ref()
-            if hooks is not None and not options.get("prepend"):
-                for later in [key for key in hooks if key > first_id and key not in ours]:
-                    hooks.move_to_end(later)
-        self.suspended = False
-
-    def outermost(self) -> None:
-        """Run these hooks around those registered after them: pre-hooks first, the others
-        last (``fully_shard`` after a gate puts FSDP2's hooks around the gate's otherwise)."""
-        for handle in self._handles:
-            if not isinstance(handle, RemovableHandle):
-                continue  # a wrapped forward runs inside every hook anyway
-            hooks = handle.hooks_dict_ref()
-            if hooks is not None and handle.id in hooks:
-                hooks.move_to_end(handle.id, last=id(handle) not in self._pre)
-
-    def post(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
-        self._register(module, hook, False, options)
-
-    def wrap(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
-        """Hooks for a module whose forward must see no module hooks (see HookedForward)."""
-        wrapper = HookedForward(module, enter, exit)
-        wrapper.install()
-        self._handles.append(wrapper)
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
-        self._pre.clear()
-        self._registered, self.suspended = [], False
-        for handle in handles:
-            handle.remove()
 
 
 class _InstanceForward:
@@ -244,25 +167,66 @@ class ForwardGuard(_InstanceForward):
 
 
 class HookedForward(_InstanceForward):
-    """A pre- and a post-hook run around ``forward`` instead of as module hooks.
+    """A module's gate hooks, run around its ``forward`` instead of as module hooks.
 
-    For modules whose forward looks at their own hook dictionaries: torch's fused
-    ``nn.TransformerEncoderLayer`` path is switched off while a layer has any forward hook.
-    ``enter(module, args)`` and ``exit(module, args, kwargs, output)`` are called like module
-    hooks; a non-``None`` result of ``exit`` replaces the output.
+    Pre-hooks ``enter(module, args)`` and post-hooks ``exit(module, args, kwargs, output)`` are
+    called as torch calls module hooks (a result that is not ``None`` replaces the args or the
+    output). ``runs`` is false while they are module hooks (``hooked``) or off: the wrapper then
+    only calls through. Outside ``torch.compile`` it calls the gate's methods directly, not
+    through :class:`GateHook`.
     """
 
-    def __init__(self, module: nn.Module, enter: GateHook, exit: GateHook) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
-        self.enter, self.exit = enter, exit
+        self.enter: list[GateHook] = []
+        self.exit: list[GateHook] = []
+        self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
+        self.hooked = self.runs = False
+
+    def add(self, hook: GateHook, *, pre: bool, first: bool = False) -> None:
+        hooks = self.enter if pre else self.exit
+        hooks.insert(0 if first else len(hooks), hook)
+        self._update()
+
+    def drop(self, hook: GateHook) -> None:
+        (self.enter if hook in self.enter else self.exit).remove(hook)
+        self._update()
+
+    def _update(self) -> None:
+        self._direct = tuple(  # type: ignore[assignment]
+            [partial(hook.function, *hook.bound) for hook in hooks]
+            for hooks in (self.enter, self.exit)
+        )
+
+    def others(self) -> bool:
+        """Whether the module has hooks that are not these."""
+        own_pre, own_post = (len(self.enter), len(self.exit)) if self.hooked else (0, 0)
+        return internals.other_module_hooks(self.module, own_pre, own_post)
+
+    def uninstall(self) -> None:
+        self.runs = False
+        super().uninstall()
+
+    remove = uninstall
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.live:
+        if not self.runs:
             return self.inner(*args, **kwargs)
-        self.enter(self.module, args)
+        if torch.compiler.is_compiling() or internals.eval_frame_callback():
+            enters, exits = self.enter, self.exit  # they keep the gate out of compiled code
+        else:
+            enters, exits = self._direct
+        module = self.module
+        for enter in enters:
+            replaced = enter(module, args)
+            if replaced is not None:
+                args = replaced if isinstance(replaced, tuple) else (replaced,)
         output = self.inner(*args, **kwargs)
-        replaced = self.exit(self.module, args, kwargs, output)
-        return output if replaced is None else replaced
+        for exit in exits:
+            replaced = exit(module, args, kwargs, output)
+            if replaced is not None:
+                output = replaced
+        return output
 
 
 class CompiledForward(_InstanceForward):

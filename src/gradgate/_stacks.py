@@ -31,6 +31,7 @@ class Stacks:
         self._after: dict[int, set[int]] = {}  # stack -> outside modules seen only after it
         self._before: dict[int, set[int]] = {}
         self.seen_all = False  # a forward ran every stack: what runs after each is known
+        self._learned: tuple[list[int], list[tuple[int, int]]] | None = None  # the last run
 
     def start(self, frame: Frame, position: int, *, planned: bool) -> None:
         """The first block of a stack runs in this forward: stacks run in their listed order."""
@@ -75,6 +76,9 @@ class Stacks:
 
     def learn(self, frame: Frame) -> None:
         """Take note of what ran before and after each stack in a forward that completed."""
+        if (frame.stacks_ran, frame.outside_calls) == self._learned:
+            return  # the same run as the last: nothing new
+        self._learned = (frame.stacks_ran, frame.outside_calls)
         self.seen_all = self.seen_all or len(frame.stacks_ran) == len(set(self.of))
         for order, stack in enumerate(frame.stacks_ran):
             after = self._after.setdefault(stack, set())

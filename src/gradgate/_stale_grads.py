@@ -86,19 +86,27 @@ class CutGrads:
         self._shared = shared  # tied parameters also used outside the blocks
         self._plans: list[tuple[Any, ...]] = []
         self._stepped = False
+        self._stale: tuple[list[tuple[Any, ...]], list[nn.Parameter]] = ([], [])  # last answer
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
 
-    def saw(self, *plan: Any) -> None:
+    def saw(self, learn: Any, skip: Any, keep: Any) -> None:
         if self._stepped:
             self._plans, self._stepped = [], False
-        last = self._plans[-1] if self._plans else None
-        if last is None or any(a is not b for a, b in zip(last, plan, strict=True)):
-            self._plans.append(plan)
+        plans = self._plans
+        if not plans or plans[-1] != (learn, skip, keep):
+            plans.append((learn, skip, keep))
 
     def _not_learned(self) -> list[nn.Parameter]:
+        """The parameters of the blocks that learned in none of the plans (the same plans as
+        at the last step: the same answer, the blocks' parameters are not walked again)."""
+        if self._stale[0] != self._plans:
+            self._stale = (list(self._plans), self._walk())
+        return self._stale[1]
+
+    def _walk(self) -> list[nn.Parameter]:
         learned: set[int] = set()
         keep: set[int] = set(self._shared)
         for learn, skip, extra in self._plans:

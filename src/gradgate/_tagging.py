@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ._autograd import Node, is_leaf, tensors_in, walk
-from ._hooks import GateHook, HookSet
+from ._hook_set import HookSet
+from ._hooks import GateHook
 from ._torch_internals import next_sequence_nr, sequence_nr
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ._errors import TorchVersionError
 
@@ -44,6 +46,12 @@ TOP_SAVED_HOOKS = _lookup("torch._C._autograd", "_top_saved_tensors_default_hook
 EVAL_FRAME = _lookup("torch._C._dynamo", "eval_frame")
 ENGINE = _lookup("torch.autograd", "Variable", "_execution_engine")
 SET_GRAD = _lookup("torch._C", "_set_grad_enabled")
+# hooks on every module: torch runs a module's own forward hooks inside these
+GLOBAL_MODULE_HOOKS = tuple(
+    hooks
+    for name in ("forward_pre", "forward", "backward_pre", "backward")
+    if (hooks := _lookup("torch.nn.modules.module", f"_global_{name}_hooks")) is not None
+)
 # torch._dynamo itself is imported on first need only: it takes about a second.
 DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
@@ -130,6 +138,31 @@ def maybe_in_backward() -> bool:
 # ``torch.set_grad_enabled(mode)`` builds a context manager (three times the cost) to call this
 # setter; a gate switches grad mode between blocks, every block of every step
 set_grad_mode: Callable[[bool], Any] = SET_GRAD or torch.set_grad_enabled
+
+
+def other_module_hooks(module: torch.nn.Module, own_pre: int, own_post: int) -> bool:
+    """Whether ``module`` has forward or backward hooks besides ``own_pre`` pre-hooks and
+    ``own_post`` forward hooks of the caller's (global hooks: see :func:`global_module_hooks`)."""
+    return (
+        len(module._forward_pre_hooks) > own_pre
+        or len(module._forward_hooks) > own_post
+        or bool(module._backward_hooks or module._backward_pre_hooks)
+    )
+
+
+def hooks_registered() -> int:
+    """A number that changes whenever torch registers a hook anywhere in this process: module,
+    global, tensor, autograd node and optimizer hooks all draw their handle's id from one
+    counter (a new number at each call where torch has no such counter)."""
+    return getattr(RemovableHandle, "next_id", None) or next(_NEVER_SAME)
+
+
+_NEVER_SAME = itertools.count(-1, -1)
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks registered for every module are set (they run around a module's own)."""
+    return any(GLOBAL_MODULE_HOOKS)
 
 
 def next_sequence_nr() -> int:

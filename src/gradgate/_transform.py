@@ -36,7 +36,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import InvalidOptionError, NoTensorError, TransformError
 from ._handles import Handle
-from ._hooks import GateHook, HookSet
+from ._hook_set import HookSet
+from ._hooks import GateHook
 from ._select import Pattern, check_module, check_patterns, resolve_modules
 from ._tagging import runs_itself
 from ._torch_internals import tree_flatten, tree_unflatten
