@@ -153,25 +153,37 @@ def _plain_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(zip(params, grads, strict=True))
 
 
-@settings(max_examples=40, deadline=None)
-@given(plans=st.lists(st.one_of(st.none(), st.integers(1, 4), st.just("skip")), max_size=8))
-def test_any_sequence_of_plans_is_exact_at_every_step(plans: list[int | str | None]) -> None:
-    """Hooks going off and on between steps (None, depths, DropBP) never change a gradient."""
+Plan = int | str | frozenset[int] | None
+PLANS = st.one_of(
+    st.none(), st.integers(1, 4), st.just("skip"), st.frozensets(st.integers(0, 3), min_size=1)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans=st.lists(PLANS, max_size=8), user_hook=st.booleans())
+def test_any_sequence_of_plans_is_exact_at_every_step(plans: list[Plan], user_hook: bool) -> None:
+    """Hooks going off and on between steps (None, depths, learning sets, DropBP), from the
+    blocks' forwards or as module hooks beside a user's, never change a gradient."""
     model = _mlp()
     reference = copy.deepcopy(model)
     want = _plain_grads(reference, x := torch.randn(2, 3))
     gate = gg.BackpropGate(model)
+    if user_hook:
+        model[2].register_forward_hook(lambda m, a, o: None)
     for plan in [*plans, None]:
         gate.skip = {1} if plan == "skip" else None
-        gate.depth = None if plan == "skip" else plan
+        if isinstance(plan, frozenset):
+            gate.learn = plan
+        else:
+            gate.depth = None if plan == "skip" else plan
         model.zero_grad(set_to_none=True)
         model(x).pow(2).sum().backward()
         got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         if plan is None:
             assert got.keys() == want.keys()
         elif plan != "skip":
-            blocks = {name.split(".")[0] for name in got}
-            assert blocks == {str(i) for i in range(4 - plan, 4)}
+            learners = plan if isinstance(plan, frozenset) else range(4 - plan, 4)
+            assert {name.split(".")[0] for name in got} == {str(i) for i in learners}
         for name in got if plan != "skip" else ():
             torch.testing.assert_close(got[name], want[name], msg=name)
     gate.remove()

@@ -50,6 +50,7 @@ from ._held import HeldFrozen, Learners, graph_of
 from ._hook_set import HookSet
 from ._hooks import ForwardGuard, GateHook
 from ._plan_key import PlanKey
+from ._plan_tables import first_opener, opens_after, plain_blocks
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
@@ -81,8 +82,9 @@ class _Cut(Handle):
         self._check_ranks = check_ranks
         self._key = PlanKey(model)
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
-        self._first: int | None = None  # the first block that opens the cut (cached per plan)
-        self._after: list[bool] | None = None  # per block: the cut opens after it (per plan)
+        self._first: int | None = None  # the first block that opens the cut (per plan)
+        self._after: list[bool] = []  # per block, per plan: see _plan_tables
+        self._plain: list[bool] = []
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._keep: frozenset[int] = frozenset()  # ids of their parameters
@@ -140,27 +142,25 @@ class _Cut(Handle):
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
     def _hooks_for_plan(self, *, forward: bool = False) -> None:
-        """Block hooks only while a plan needs them: with none, the blocks run hook-free (torch's
-        fast path). They come back with a plan, and go at a ``forward`` without one once a
-        forward has run every stack (for LayerDrop: what runs after each stack is known)."""
+        """Gate hooks only while a plan needs them: they come back with a plan, and go at a
+        ``forward`` without one once a forward ran every stack (LayerDrop: what runs after each
+        stack is known). With a plan, see HookSet.fit."""
         planned = self._learn is not None or bool(self._skip) or bool(self._extra)
         if planned and self._hooks.suspended:
             self._hooks.resume()
         elif forward and self._stacks.seen_all and not (planned or self._hooks.suspended):
             self._hooks.suspend()
         elif forward:
-            self._hooks.fit()  # module hooks where the module has others now, else wrappers
+            self._hooks.fit()
 
     def _first_opener(self) -> int:
-        """Position of the first learning block that is not skipped (n when there is none)."""
+        """Position of the first learning block that is not skipped (n when there is none); the
+        plan's other tables (see _plan_tables) are made with it, once per plan."""
         if self._first is None:
-            learn = self._learn or ()
-            if isinstance(learn, range) and not self._skip:
-                self._first = learn.start
-            else:
-                opening = (p for p in learn if p not in self._skip)
-                self._first = min(opening, default=len(self._points))
-            self._after = None
+            learn, skip, of = self._learn, self._skip, self._stacks.of
+            self._first = first_opener(learn, skip, len(self._points))
+            self._after = opens_after(learn, skip, of, self._first)
+            self._plain = plain_blocks(learn, skip, self._extra_blocks, of)
         return self._first
 
     def _in_backward(self) -> list[bool]:
@@ -249,6 +249,20 @@ class _Cut(Handle):
             if planned and torch.is_grad_enabled() and not grad_held_off():
                 self._warn_once("outside", outside_call(self._points[position][0], self._model))
             return
+        if self._first is None:
+            self._first_opener()
+        if (
+            position == frame.last_position + 1
+            and (frame.tentative is not None or not frame.opened)
+            and not frame.gap_calls
+            and self.prefix_mode == "keep"
+            and self._plain[position]
+        ):  # the usual block before the cut: in order, its stack running, nothing to change
+            frame.last_position = position
+            frame.ran.add(position)
+            if frame.tentative is not None:
+                self._close_again(frame)
+            return
         if self._stacks.of[position] not in frame.stacks_ran:
             self._stacks.start(frame, position, planned=self._learn is not None)
         if position > frame.last_position:
@@ -313,7 +327,7 @@ class _Cut(Handle):
         elif frame.opened and not frame.checked and self._learns(position):
             frame.checked = True  # the first learner after the cut is where it would show
             frame.explained = check_block_output_learns(self._points[position][0], module, output)
-        if frame.blocking and not frame.opened and self._opens_after(position):
+        if frame.blocking and not frame.opened and self._after[position]:  # made at the enter
             frame.tentative = position
             self._open(frame)
             if position < self._first_opener() < len(self._points) and _GAP not in frame.frozen:
@@ -369,19 +383,11 @@ class _Cut(Handle):
             frame.shared_uses.setdefault(index, {}).setdefault(frame.opened, module)
 
     # -- opening and closing the cut -----------------------------------------------------------
-    def _opens_after(self, position: int) -> bool:
-        """Whether the cut opens, for now, right after this non-learning block: inside the
-        stack of the first learner (of the last block when only what runs after the blocks
-        learns); the next non-learner closes it again. So a learner called through
-        ``checkpoint()`` sees grad on, and LayerDrop cannot keep the cut shut."""
-        first = min(self._first_opener(), len(self._points) - 1)
-        if self._after is None:  # once per plan: it is asked after every block before the cut
-            learn, skip, stack_of = self._learn or (), self._skip, self._stacks.of
-            self._after = [
-                not (p in learn and p not in skip) and stack_of[p] == stack_of[first]
-                for p in range(len(self._points))
-            ]
-        return self._after[position]
+    def _close_again(self, frame: Frame) -> None:
+        frame.tentative, frame.opened = None, False
+        internals.set_grad_mode(False)
+        if frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(False)
 
     def _open(self, frame: Frame) -> None:
         if not frame.blocking or frame.opened:
@@ -398,13 +404,6 @@ class _Cut(Handle):
             frame.training, frame.block_training = [], {}
         if len(open_frames()) == 1 or not grad_held_off():  # one: this one, open now
             internals.set_grad_mode(True)  # a blocking frame always traces back to grad on
-
-    def _close_again(self, frame: Frame) -> None:
-        frame.tentative = None
-        frame.opened = False
-        internals.set_grad_mode(False)
-        if frame.autocast_cache is not None:
-            torch.set_autocast_cache_enabled(False)
 
     def _learns(self, position: int) -> bool:
         return self._learn is not None and position in self._learn
