@@ -26,17 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(src: Path, extra: list[str], out: Path) -> dict[tuple[str, str], float]:
-    """One benchmark run; gradgate / ideal median step time per (model, depth)."""
+    """One benchmark run; gradgate / ideal median step time per (model, depth), and the two
+    step times in ms (keys with depth ``"<depth> gradgate ms"`` and ``"<depth> ideal ms"``)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     command = [sys.executable, "-m", "gradgate._bench", *extra, "--no-plot", "--no-progress"]
     subprocess.run([*command, "--json", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["results"]
     step = {(r["model"], r["method"], str(r["depth"])): r["step_seconds"] for r in rows}
-    return {
-        (model, depth): seconds / step[(model, "ideal", depth)]
-        for (model, method, depth), seconds in step.items()
-        if method == "gradgate"
-    }
+    ratios = {}
+    for (model, method, depth), seconds in step.items():
+        if method == "gradgate":
+            ideal = step[(model, "ideal", depth)]
+            ratios[(model, depth)] = seconds / ideal
+            ratios[(model, f"{depth} gradgate ms")] = seconds * 1e3
+            ratios[(model, f"{depth} ideal ms")] = ideal * 1e3
+    return ratios
 
 
 def main() -> None:
@@ -75,16 +79,20 @@ def main() -> None:
             )
     print(f"gradgate / ideal, median of {args.rounds} interleaved rounds (ideal at depth None:")
     print(f"the plain model); A = {args.base}, B = {head}; bench arguments: {args.bench}\n")
-    print("| model | depth | A | B |")
-    print("| --- | --- | --- | --- |")
+    print("| model | depth | A | B | A gradgate / ideal ms | B gradgate / ideal ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     medians = {
         v: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for v, runs in ratios.items()
     }
-    for model, depth in medians["head"]:
+    for model, depth in [key for key in medians["head"] if " " not in key[1]]:
         a, b = medians["base"][(model, depth)], medians["head"][(model, depth)]
-        print(f"| {model} | {depth} | {a:.3f} | {b:.3f} |")
+        ms = [
+            f"{m[(model, f'{depth} gradgate ms')]:.2f} / {m[(model, f'{depth} ideal ms')]:.2f}"
+            for m in (medians["base"], medians["head"])
+        ]
+        print(f"| {model} | {depth} | {a:.3f} | {b:.3f} | {ms[0]} | {ms[1]} |")
     for version in ("base", "head"):
-        values = medians[version]
+        values = {k: r for k, r in medians[version].items() if " " not in k[1]}
         cut = [r for (_, depth), r in values.items() if depth != "None"]
         plain = [r for (_, depth), r in values.items() if depth == "None"]
         print(
