@@ -92,10 +92,10 @@ class FsdpPlan:
             self._apply()
 
     def before_forward(self) -> None:
-        """Find blocks ``fully_shard``-ed since the gate was made: the gate's hooks then go
-        around FSDP2's, as if the gate came after (its pre-forward sees what the gate froze),
-        and the plan applies."""
-        if self._sharded or not torch.distributed.is_initialized():
+        """Find blocks ``fully_shard``-ed since the gate was made (called while a process group
+        runs): the gate's hooks then go around FSDP2's, as if the gate came after (its
+        pre-forward sees what the gate froze), and the plan applies."""
+        if self._sharded:
             return
         if _any_sharded(self._blocks):
             self._sharded = True

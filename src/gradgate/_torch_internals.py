@@ -154,7 +154,8 @@ def hooks_registered() -> int:
     """A number that changes whenever torch registers a hook anywhere in this process: module,
     global, tensor, autograd node and optimizer hooks all draw their handle's id from one
     counter (a new number at each call where torch has no such counter)."""
-    return getattr(RemovableHandle, "next_id", None) or next(_NEVER_SAME)
+    counter: int | None = getattr(RemovableHandle, "next_id", None)
+    return next(_NEVER_SAME) if counter is None else counter
 
 
 _NEVER_SAME = itertools.count(-1, -1)
