@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
+from gradgate import _torch_internals as internals
 from gradgate._hooks import GateHook, HookedForward
 
 
@@ -41,6 +42,18 @@ def _wrapped(module: nn.Module) -> bool:
     return isinstance(forward, HookedForward) and forward.runs
 
 
+def test_before_torch_2_8_the_gate_hooks_are_module_hooks() -> None:
+    """Where dynamo cannot skip the wrappers' frames it would trace them under compile."""
+    model = _mlp()
+    gate = gg.BackpropGate(model, depth=2)
+    model(torch.randn(2, 3))
+    expected = 0 if internals.SKIPS_FRAMES else 2
+    assert [_gate_hooks(block) for block in model] == [expected] * 4
+    assert all(_wrapped(block) == internals.SKIPS_FRAMES for block in model)
+    gate.remove()
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 def test_blocks_take_torchs_fast_path_with_a_plan_and_module_hooks_only_beside_others() -> None:
     model = _mlp()
     x = torch.randn(2, 3)

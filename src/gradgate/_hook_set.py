@@ -3,6 +3,8 @@
 A module hook sends every call of its module down torch's slow path (hook dispatch), so hooks
 added with :meth:`HookSet.around` run from a wrapper around the module's ``forward`` instead,
 while the module has no other hook; beside other hooks they are module hooks, in their place.
+Where dynamo cannot be told to skip the wrapper's frame (torch 2.6, 2.7: it traces it under
+``torch.compile``, and torch 2.6 crashed there) they are always module hooks.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class HookSet:
     def _fit(self, wrapper: HookedForward, everywhere: bool) -> None:
         if self.suspended:
             return
-        hooked = everywhere or wrapper.others()
+        hooked = everywhere or wrapper.others() or not internals.SKIPS_FRAMES
         if hooked == wrapper.hooked and wrapper.runs != hooked:
             return  # as it should be
         own: set[int] = set()
