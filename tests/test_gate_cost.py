@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
+from gradgate import _frames
 from gradgate import _torch_internals as internals
 from gradgate._hooks import GateHook, HookedForward
 
@@ -216,3 +217,58 @@ def test_a_forward_with_no_backward_keeps_little_for_the_next() -> None:
         assert all(p.requires_grad for p in model.parameters())
         assert all(p.grad is None for p in model.transformer.h[1].parameters())
         assert all(p.grad is not None for p in model.transformer.h[2].parameters())
+
+
+class Probe(nn.Module):
+    """Records, at each call, how many gated forwards are open in this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.open.append(len(_frames.open_frames()))
+        return x
+
+
+def test_with_no_plan_and_the_hooks_off_a_forward_opens_no_frame() -> None:
+    probe = Probe()
+    model = nn.Sequential(*_mlp(), probe)
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    x = torch.randn(2, 3)
+    model(x)  # the first forward learns the stacks' run order; the next takes the hooks off
+    model(x)
+    model(x).sum().backward()
+    assert model[0].linear.weight.grad is not None  # everything learned
+    model.zero_grad(set_to_none=True)
+    gate.depth = 1
+    model(x).sum().backward()
+    assert probe.open == [1, 1, 0, 1]
+    assert [model[i].linear.weight.grad is None for i in range(4)] == [True] * 3 + [False]
+    gate.remove()
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _mlp(5)
+    gate = gg.BackpropGate(model, depth=1)
+    hooked: list[nn.Module] = []
+    call_hooks = HookedForward.call_hooks
+
+    def spy(self: HookedForward, *args: object, **kwargs: object) -> object:
+        hooked.append(self.module)
+        return call_hooks(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HookedForward, "call_hooks", spy)
+    x = torch.randn(2, 3)
+    grads = _plain_grads(copy.deepcopy(model), x)
+    model(x).pow(2).sum().backward()
+    # the first block starts its stack, the last one learns: only they take the hooks' way
+    assert [list(model).index(m) for m in hooked] == [0, 4]
+    assert torch.equal(model[4].linear.weight.grad, grads["4.linear.weight"])
+    assert all(model[i].linear.weight.grad is None for i in range(4))
+    hooked.clear()
+    with pytest.warns(gg.BlockCallWarning, match="outside a call of the gated"):
+        model[3](x)  # outside the gated call: its hooks decide
+    assert [list(model).index(m) for m in hooked] == [3]
+    gate.remove()

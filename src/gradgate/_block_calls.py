@@ -38,7 +38,13 @@ def require_a_forward(model: nn.Module) -> None:
 
 
 def distributed_running() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _PROCESS_GROUP_STARTED is not None and _PROCESS_GROUP_STARTED()
+
+
+# read at every forward: torch.distributed is available or not for the whole process
+_PROCESS_GROUP_STARTED = (
+    torch.distributed.is_initialized if torch.distributed.is_available() else None
+)
 
 
 def has_graph(output: Any) -> bool:

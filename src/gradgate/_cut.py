@@ -7,11 +7,12 @@ order) runs frozen for that call, so gradients pass through it but it gets none;
 (DropBP) runs with no graph and the gradient passes around it through its residual path. The
 wrapper restores everything when ``forward`` returns or raises, ``KeyboardInterrupt`` included.
 Changing the plan is a field write; only with no plan at all do the block hooks come off (at
-the next forward), to come back when a plan is set.
+the next forward), to come back when a plan is set. The block hooks are in ``_cut_blocks``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -22,17 +23,14 @@ from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
     blocks_sharing_parameters,
-    check_block_output_learns,
     distributed_running,
-    freeze_for_call,
     has_graph,
-    outside_call,
-    pass_around,
     require_a_forward,
     shared_parameter_owners,
     warn_learners_not_run,
     warn_shared_straddles,
 )
+from ._cut_blocks import BlockHooks
 from ._errors import BlockCallWarning, GradgateError, warn
 from ._frames import (
     Frame,
@@ -59,10 +57,7 @@ from ._validate import check_choice
 PrefixMode = Literal["keep", "eval", "train"]
 
 
-_GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
-
-
-class _Cut(Handle):
+class _Cut(BlockHooks, Handle):
     """Hooks on a root module and its blocks; the plan says which blocks learn or skip."""
 
     def __init__(
@@ -109,8 +104,9 @@ class _Cut(Handle):
             require_find_unused_parameters(model)
         self._hooks = HookSet()
         for position, (_, module) in enumerate(points):
-            enter = GateHook(self, "_enter_block", position)
-            self._hooks.around(module, enter, GateHook(self, "_exit_block", position), prepend=True)
+            enter, exit = (GateHook(self, f"_{e}_block", position) for e in ("enter", "exit"))
+            lane = partial(self._block_lane, position)
+            self._hooks.around(module, enter, exit, prepend=True, lane=lane)
         for index, module in enumerate(self._stacks.outside):
             self._hooks.around(module, GateHook(self, "_enter_outside", index))
         for index, (_, owners) in enumerate(self._shared):
@@ -145,13 +141,16 @@ class _Cut(Handle):
         """Gate hooks only while a plan needs them: they come back with a plan, and go at a
         ``forward`` without one once a forward ran every stack (LayerDrop: what runs after each
         stack is known). With a plan, see HookSet.fit."""
-        planned = self._learn is not None or bool(self._skip) or bool(self._extra)
+        planned = self._planned()
         if planned and self._hooks.suspended:
             self._hooks.resume()
         elif forward and self._stacks.seen_all and not (planned or self._hooks.suspended):
             self._hooks.suspend()
         elif forward:
             self._hooks.fit()
+
+    def _planned(self) -> bool:
+        return self._learn is not None or bool(self._skip) or bool(self._extra)
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none); the
@@ -179,9 +178,17 @@ class _Cut(Handle):
             )
 
     # -- around the root's forward ---------------------------------------------------------
-    def _enter_root(self, module: nn.Module, args: Any) -> None:
+    def _enter_root(self, module: nn.Module, args: Any) -> Frame | None:
+        """Set up a forward of the root; returns its frame, for _exit_root (none with no plan
+        and the hooks off: nothing to set up, nothing to put back)."""
         recover_stale_frames()
         distributed = distributed_running()
+        if self._hooks.suspended and not (
+            distributed or self._planned() or self._held.params or self._check_ranks
+        ):
+            if torch.is_grad_enabled():
+                self._stale_grads.saw(self._learn, self._skip, self._keep)
+            return None
         if distributed:
             self._fsdp.before_forward()
         self._hooks_for_plan(forward=True)
@@ -212,10 +219,12 @@ class _Cut(Handle):
                 # copies are freed as soon as each layer is done.
                 frame.autocast_cache = True
                 torch.set_autocast_cache_enabled(False)
+        return frame
 
-    def _exit_root(self, module: nn.Module, args: Any, output: Any, raising: bool) -> None:
-        frame = self._own_frame()
-        if frame is None:
+    def _exit_root(
+        self, module: nn.Module, args: Any, output: Any, raising: bool, frame: Frame | None
+    ) -> None:
+        if frame is None or frame.call_site is None:  # no frame, or closed already (removed)
             return
         mark = internals.hooks_registered()  # the tensor hooks registered here are the gate's
         held, frame.held = frame.held, []
@@ -241,185 +250,9 @@ class _Cut(Handle):
             self._fsdp.after_forward(output)
         self._hooks.registered_since(mark)
 
-    # -- block hooks ---------------------------------------------------------------------------
-    def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
-        frame = self._own_frame()
-        if frame is None:
-            planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
-            if planned and torch.is_grad_enabled() and not grad_held_off():
-                self._warn_once("outside", outside_call(self._points[position][0], self._model))
-            return
-        if self._first is None:
-            self._first_opener()
-        if (
-            position == frame.last_position + 1
-            and (frame.tentative is not None or not frame.opened)
-            and not frame.gap_calls
-            and self.prefix_mode == "keep"
-            and self._plain[position]
-        ):  # the usual block before the cut: in order, its stack running, nothing to change
-            frame.last_position = position
-            frame.ran.add(position)
-            if frame.tentative is not None:
-                self._close_again(frame)
-            return
-        if self._stacks.of[position] not in frame.stacks_ran:
-            self._stacks.start(frame, position, planned=self._learn is not None)
-        if position > frame.last_position:
-            frame.last_position = position
-        elif position < frame.last_position and position not in frame.ran:
-            self._warn_once(
-                "order",
-                f"block {self._points[position][0]!r} ran after "
-                f"{self._points[frame.last_position][0]!r}, out of the listed order; depth "
-                "counts blocks in the listed order and the cut follows the run (blocks that "
-                "run after the cut without learning pass gradients but get none). Pass "
-                "blocks=[...] in the order they run if that is what you meant.",
-            )
-        if frame.gap_calls:
-            self._gap_modules.update(frame.gap_calls)  # these ran between blocks
-            frame.gap_calls.clear()
-        frame.ran.add(position)
-        learns = self._learn is not None and position in self._learn
-        if frame.tentative is not None:
-            if learns:
-                self._end_gap(frame)
-            else:
-                self._close_again(frame)
-        if learns and position not in self._skip:
-            self._open(frame)
-        elif frame.blocking and not (frame.opened or frame.training or self.prefix_mode == "keep"):
-            frame.block_training[position] = self._set_prefix_mode(module)
-        if position in self._skip:
-            frame.skipped[position] = torch.is_grad_enabled()
-            frame.skipped_args[position] = args
-            traced = frame.skipped[position] and self._residual.trace(position, args)
-            internals.set_grad_mode(traced)
-        elif not learns and (
-            position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
-        ):  # a named module inside it may learn (and open the cut): the rest of it does not
-            frame.frozen[position] = freeze_for_call(module, self._keep)
-
-    def _exit_block(
-        self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> Any:
-        frame = self._own_frame()
-        if frame is None:
-            return None
-        if position in frame.frozen:
-            frozen = frame.frozen.pop(position)
-            if self._shares_params[position]:
-                for param in frozen:
-                    param.requires_grad_(True)  # another block may learn with them later
-            else:
-                frame.held.extend(frozen)
-        if frame.block_training and position in frame.block_training:
-            for block_module, training in frame.block_training.pop(position):
-                block_module.training = training
-        replaced = None
-        if frame.skipped and position in frame.skipped:
-            traced = torch.is_grad_enabled()
-            internals.set_grad_mode(frame.skipped.pop(position))
-            name = self._points[position][0]
-            output = self._residual.check(traced, position, name, args, kwargs, output)
-            # around to the args the gate saw, not a later pre-hook's no-graph copies (ZeRO-3)
-            replaced = pass_around(name, frame.skipped_args.pop(position, args), kwargs, output)
-        elif frame.opened and not frame.checked and self._learns(position):
-            frame.checked = True  # the first learner after the cut is where it would show
-            frame.explained = check_block_output_learns(self._points[position][0], module, output)
-        if frame.blocking and not frame.opened and self._after[position]:  # made at the enter
-            frame.tentative = position
-            self._open(frame)
-            if position < self._first_opener() < len(self._points) and _GAP not in frame.frozen:
-                # grad on for checkpoint(), yet the code before the learner records nothing
-                frame.frozen[_GAP] = freeze_for_call(
-                    self._model, self._gap_keep, around=self._block_ids
-                )
-        return replaced
-
-    def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
-        frame.tentative = tentative
-        for param in frame.frozen.pop(_GAP, ()):
-            param.requires_grad_(True)
-
-    def _enter_extra(self, module: nn.Module, args: Any) -> None:
-        frame = self._own_frame()
-        if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
-            self._end_gap(frame)
-            self._open(frame)
-
-    def _enter_outside(self, index: int, module: nn.Module, args: Any) -> None:
-        """An embedding, norm or head ran: open the cut here if LayerDrop skipped the stack.
-
-        No block hook can open the cut then; it opens at the first module that earlier forwards
-        saw run after that stack (never before it: registration order is no guide). Under a
-        learning set, one that runs after the cut unnamed, and not after the last stack, is
-        frozen for the step.
-        """
-        frame = self._own_frame()
-        if frame is None:
-            return
-        frame.outside_calls.append((index, len(frame.stacks_ran)))
-        if _GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
-            frame.gap_calls.append(index)
-            if index not in self._gap_modules:
-                self._end_gap(frame, frame.tentative)
-        if frame.blocking and not frame.opened:
-            stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
-            if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):
-                self._enter_extra(module, args)  # else the stack's own blocks open the cut
-        elif (
-            isinstance(self._learn, frozenset)  # a learning set freezes what it does not name
-            and frame.opened
-            and torch.is_grad_enabled()
-            and index not in self._extra_outside
-            and not self._stacks.runs_after_last(frame, index)
-        ):
-            frame.held.extend(freeze_for_call(module, self._keep | self._shared_ids))
-
-    def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
-        frame = self._own_frame()
-        if frame is not None and frame.blocking:
-            frame.shared_uses.setdefault(index, {}).setdefault(frame.opened, module)
-
-    # -- opening and closing the cut -----------------------------------------------------------
-    def _close_again(self, frame: Frame) -> None:
-        frame.tentative, frame.opened = None, False
-        internals.set_grad_mode(False)
-        if frame.autocast_cache is not None:
-            torch.set_autocast_cache_enabled(False)
-
-    def _open(self, frame: Frame) -> None:
-        if not frame.blocking or frame.opened:
-            return
-        frame.opened = True
-        if frame.autocast_cache is not None:
-            torch.set_autocast_cache_enabled(frame.autocast_cache)
-        if frame.training or frame.block_training:
-            for prefix_module, training in [
-                *frame.training,
-                *(m for ms in frame.block_training.values() for m in ms),
-            ]:  # also a block running before the cut that a named module inside it opens
-                prefix_module.training = training
-            frame.training, frame.block_training = [], {}
-        if len(open_frames()) == 1 or not grad_held_off():  # one: this one, open now
-            internals.set_grad_mode(True)  # a blocking frame always traces back to grad on
-
-    def _learns(self, position: int) -> bool:
-        return self._learn is not None and position in self._learn
-
     def _learners(self, frame: Frame) -> Learners:
         """The modules whose parameters this forward's graph gives gradients to."""
         return Learners.of_run(self._points, frame.ran, self._learn, self._skip, self._extra)
-
-    def _own_frame(self) -> Frame | None:
-        frames = open_frames()
-        if frames and frames[-1].gate is self:  # one gated model running: the usual case
-            return frames[-1]
-        for frame in reversed(frames):
-            if frame.gate is self:
-                return frame
-        return None
 
     def _set_prefix_mode(self, module: nn.Module) -> list[tuple[nn.Module, bool]]:
         return set_prefix_mode(

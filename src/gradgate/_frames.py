@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -21,15 +21,15 @@ from torch import nn
 from . import _torch_internals as internals
 from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
 
-_THREAD = threading.local()  # the gated root forwards running in this thread, outermost first
+THREAD = threading.local()  # .frames: the gated root forwards in this thread, outermost first
 _EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for push_frame
 _ENTERING = threading.Lock()  # one thread at a time between checking and pushing a frame
 
 
 def open_frames() -> list[Frame]:
-    frames: list[Frame] | None = getattr(_THREAD, "frames", None)
+    frames: list[Frame] | None = getattr(THREAD, "frames", None)
     if frames is None:
-        frames = _THREAD.frames = _EVERY_THREAD[threading.get_ident()] = []
+        frames = THREAD.frames = _EVERY_THREAD[threading.get_ident()] = []
     return frames
 
 
@@ -39,17 +39,16 @@ def push_frame(frame: Frame, *, alone: bool) -> None:
     A gate that sets ``module.training`` for its prefix cannot serve two threads at once: the
     flags are shared, so each thread would save and restore the other's temporary modes.
     """
+    if not alone:  # nothing to check: no lock
+        open_frames().append(frame)
+        return
     with _ENTERING:
         me = threading.get_ident()
-        if (
-            alone
-            and len(_EVERY_THREAD) > 1
-            and any(
-                f.gate is frame.gate
-                for thread, frames in _EVERY_THREAD.items()
-                if thread != me
-                for f in list(frames)
-            )
+        if len(_EVERY_THREAD) > 1 and any(
+            f.gate is frame.gate
+            for thread, frames in _EVERY_THREAD.items()
+            if thread != me
+            for f in list(frames)
         ):
             raise BlockCallError(
                 f"another thread is running a forward of this gated model, and "
@@ -98,24 +97,28 @@ def grad_held_off() -> bool:
 def close_frame(frame: Frame) -> None:
     """Put back what one root forward changed: grad mode, train flags, frozen parameters."""
     frames = open_frames()
-    if frame not in frames:
+    if frames and frames[-1] is frame:  # the innermost: the usual case
+        frames.pop()
+    elif frame in frames:
+        frames.remove(frame)
+    else:
         return
-    held_before = grad_held_off()
-    frames.remove(frame)
-    for params in [*frame.frozen.values(), frame.held] if frame.frozen or frame.held else ():
-        for param in params:
-            param.requires_grad_(True)
-    # a block that raised skipped its own exit hook: what it changed is put back here
-    for module, training in [
-        *frame.training,
-        *(m for ms in frame.block_training.values() for m in ms),
-    ]:
-        module.training = training
+    if frame.frozen or frame.held:
+        for params in [*frame.frozen.values(), frame.held]:
+            for param in params:
+                param.requires_grad_(True)
+    if frame.training or frame.block_training:
+        # a block that raised skipped its own exit hook: what it changed is put back here
+        for module, training in [
+            *frame.training,
+            *(m for ms in frame.block_training.values() for m in ms),
+        ]:
+            module.training = training
     if frame.skipped:
         internals.set_grad_mode(next(iter(frame.skipped.values())))
     if frame.autocast_cache is not None:
         torch.set_autocast_cache_enabled(frame.autocast_cache)
-    if frame.blocking and held_before and not grad_held_off():
+    if frame.blocking and not frame.opened and not grad_held_off():  # it held grad off last
         internals.set_grad_mode(True)
     elif frame.blocking and frame.opened and not torch.is_grad_enabled() and frame.grad_before:
         internals.set_grad_mode(True)
@@ -145,13 +148,17 @@ def set_prefix_mode(
 
 
 def root_call_site() -> FrameType:
-    """The Python frame of the root module's call that is running the hooks now."""
+    """The Python frame of the root module's call that is running the hooks now: the frame of
+    the wrapper that called the root's hook directly, or else torch's ``_call_impl``."""
     frame: FrameType | None = sys._getframe(2)
+    if frame is not None and frame.f_code in CALL_SITES:
+        return frame
     while frame is not None and frame.f_code is not _CALL_IMPL:
         frame = frame.f_back
     return frame or sys._getframe(2)
 
 
+CALL_SITES: set[CodeType] = set()  # the wrappers' frames that call root hooks directly
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 

@@ -44,11 +44,6 @@ def block_tracing() -> Iterator[None]:
         yield
 
 
-def under_compile() -> bool:
-    """Whether an eager frame runs inside ``torch.compile`` (dynamo's frame callback is set)."""
-    return bool(internals.eval_frame_callback()) and not torch.compiler.is_compiling()
-
-
 def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
     return function(*args, **kwargs)
 
@@ -99,7 +94,6 @@ def _can_compile_blocks() -> bool:
 
 
 skip_frames(
-    under_compile,
     opaque,
     disabled_caller,
     eager_with_compiled_blocks,

@@ -49,9 +49,11 @@ class HookSet:
         exit: GateHook | None = None,
         *,
         prepend: bool = False,
+        lane: Any = None,
     ) -> list[_ModuleHook]:
         """``enter(module, args)`` before the module's forward (before its other pre-hooks with
-        ``prepend``), ``exit(module, args, kwargs, output)`` after it, like module hooks.
+        ``prepend``), ``exit(module, args, kwargs, output)`` after it, like module hooks, or
+        ``lane`` in their place while they are the module's only hooks (see HookedForward).
         Returns them, for :meth:`discard`."""
         wrapper = next((w for w in self._wrappers if w.module is module), None)
         if wrapper is None:
@@ -65,6 +67,8 @@ class HookSet:
         if exit is not None:
             added.append(_ModuleHook(module, exit, False, {"with_kwargs": True}, off=True))
             wrapper.add(exit, pre=False)
+        if lane is not None and enter is not None and exit is not None:
+            wrapper.add_lane(enter, exit, lane)
         self._hooks += added
         self._entry.update((id(entry.hook), entry) for entry in added)
         if wrapper.hooked:

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from . import _torch_internals as internals
+from ._frames import CALL_SITES
 from ._frames_compile import (
     compiled_block,
     disabled_caller,
     eager_with_compiled_blocks,
     opaque,
-    under_compile,
 )
 from ._torch_internals import skip_frames, traceable
 
@@ -111,16 +111,17 @@ class _InstanceForward:
 class ForwardGuard(_InstanceForward):
     """Runs ``enter`` before a module's ``forward`` and ``exit`` after it, whatever happens.
 
-    ``exit(module, args, output, raising)`` runs also when ``forward`` raises, ``KeyboardInterrupt``
-    and ``SystemExit`` included (torch's ``always_call`` forward hooks run for ``Exception``
-    only, and a module's other hooks run outside ``forward``, where an interrupt would leave the
-    state ``enter`` set).
+    ``exit(module, args, output, raising, entered)`` (``entered``: what ``enter`` returned) runs
+    also when ``forward`` raises, ``KeyboardInterrupt`` and ``SystemExit`` included (torch's
+    ``always_call`` forward hooks run for ``Exception`` only, and a module's other hooks run
+    outside ``forward``, where an interrupt would leave the state ``enter`` set).
     """
 
     def __init__(
         self, module: nn.Module, enter: GateHook, exit: GateHook, blocks: list[nn.Module]
     ) -> None:
         super().__init__(module)
+        assert not (enter.bound or exit.bound)  # called directly as module hooks, see _guarded
         self.enter, self.exit, self.blocks = enter, exit, blocks
         self.compiled: list[CompiledForward] = []
 
@@ -141,16 +142,23 @@ class ForwardGuard(_InstanceForward):
         return self._guarded(*args, **kwargs)
 
     def _guarded(self, *args: Any, **kwargs: Any) -> Any:
-        self.enter(self.module, args)
+        traced = torch.compiler.is_compiling()  # dynamo traces a compiled caller through here
+        # eager frames under torch.compile: dynamo's frame callback is set
+        compiling = not traced and bool(internals.eval_frame_callback())
+        if traced or compiling:
+            enter, exit = self.enter, self.exit  # they keep the gate out of compiled code
+        else:  # the gate's methods, directly (root_call_site knows this frame)
+            enter, exit = self.enter.function, self.exit.function
+        entered = enter(self.module, args)
         try:
-            if under_compile():
+            if compiling:
                 output = self._compiled_by_block(*args, **kwargs)
             else:
                 output = self.inner(*args, **kwargs)
         except BaseException:
-            self.exit(self.module, args, None, True)
+            exit(self.module, args, None, True, entered)
             raise
-        self.exit(self.module, args, output, False)
+        exit(self.module, args, output, False, entered)
         return output
 
     def _compiled_by_block(self, *args: Any, **kwargs: Any) -> Any:
@@ -173,7 +181,9 @@ class HookedForward(_InstanceForward):
     called as torch calls module hooks (a result that is not ``None`` replaces the args or the
     output). ``runs`` is false while they are module hooks (``hooked``) or off: the wrapper then
     only calls through. Outside ``torch.compile`` it calls the gate's methods directly, not
-    through :class:`GateHook`.
+    through :class:`GateHook`, or, while its only hooks are one pair added with a ``lane``, the
+    lane: ``lane(wrapper, args, kwargs)`` does what they would, and more cheaply, or calls
+    :meth:`call_hooks`.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -181,6 +191,8 @@ class HookedForward(_InstanceForward):
         self.enter: list[GateHook] = []
         self.exit: list[GateHook] = []
         self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
+        self._lanes: dict[tuple[GateHook, GateHook], Any] = {}
+        self._lane: Any = None
         self.hooked = self.runs = False
 
     def add(self, hook: GateHook, *, pre: bool, first: bool = False) -> None:
@@ -188,8 +200,14 @@ class HookedForward(_InstanceForward):
         hooks.insert(0 if first else len(hooks), hook)
         self._update()
 
+    def add_lane(self, enter: GateHook, exit: GateHook, lane: Any) -> None:
+        """``lane`` takes the place of ``enter`` and ``exit`` while they are the only hooks."""
+        self._lanes[enter, exit] = lane
+        self._update()
+
     def drop(self, hook: GateHook) -> None:
         (self.enter if hook in self.enter else self.exit).remove(hook)
+        self._lanes = {pair: lane for pair, lane in self._lanes.items() if hook not in pair}
         self._update()
 
     def _update(self) -> None:
@@ -197,6 +215,8 @@ class HookedForward(_InstanceForward):
             [partial(hook.function, *hook.bound) for hook in hooks]
             for hooks in (self.enter, self.exit)
         )
+        only = (self.enter[0], self.exit[0]) if len(self.enter) == len(self.exit) == 1 else None
+        self._lane = self._lanes.get(only) if only else None  # type: ignore[arg-type]
 
     def others(self) -> bool:
         """Whether the module has hooks that are not these."""
@@ -213,9 +233,15 @@ class HookedForward(_InstanceForward):
         if not self.runs:
             return self.inner(*args, **kwargs)
         if torch.compiler.is_compiling() or internals.eval_frame_callback():
-            enters, exits = self.enter, self.exit  # they keep the gate out of compiled code
-        else:
-            enters, exits = self._direct
+            return self.call_hooks(args, kwargs, compiled=True)  # the gate stays out of graphs
+        if self._lane is not None:
+            return self._lane(self, args, kwargs)
+        return self.call_hooks(args, kwargs)
+
+    def call_hooks(self, args: Any, kwargs: Any, *, compiled: bool = False) -> Any:
+        """The hooks around the forward, the gate's methods called directly unless
+        ``compiled`` (then through their :class:`GateHook`, which keeps them out of graphs)."""
+        enters, exits = (self.enter, self.exit) if compiled else self._direct
         module = self.module
         for enter in enters:
             replaced = enter(module, args)
@@ -249,11 +275,13 @@ def _plain_forward(module: nn.Module, previous: Any) -> Any:
     return previous if previous is not None else type(module).forward.__get__(module)
 
 
+CALL_SITES.add(ForwardGuard._guarded.__code__)
 skip_frames(
     GateHook.__call__,
     ForwardGuard.__call__,
     ForwardGuard._guarded,
     ForwardGuard._compiled_by_block,
     HookedForward.__call__,
+    HookedForward.call_hooks,
     CompiledForward.__call__,
 )

@@ -1,0 +1,266 @@
+"""The cut's hooks on its blocks, and on named and outside modules: where the cut opens and
+closes as they run (see :mod:`gradgate._cut`, whose ``_Cut`` holds the state they read).
+
+The usual block before the cut takes :meth:`BlockHooks._block_lane`, one function with no hook
+dispatch: it runs at every block of every forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _torch_internals as internals
+from ._block_calls import (
+    ResidualPaths,
+    check_block_output_learns,
+    freeze_for_call,
+    outside_call,
+    pass_around,
+)
+from ._frames import THREAD, Frame, grad_held_off, open_frames
+from ._hooks import HookedForward
+from ._stacks import Stacks
+
+GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
+
+
+class BlockHooks:
+    """The block, named-module and outside-module hooks of a cut (a mixin of ``_Cut``)."""
+
+    # what they read: the cut's modules, the plan and its tables (see _Cut)
+    prefix_mode: str
+    _model: nn.Module
+    _points: list[tuple[str, nn.Module]]
+    _stacks: Stacks
+    _learn: range | frozenset[int] | None
+    _skip: frozenset[int]
+    _first: int | None
+    _after: list[bool]
+    _plain: list[bool]
+    _keep: frozenset[int]
+    _gap_keep: frozenset[int]
+    _gap_modules: set[int]
+    _block_ids: frozenset[int]
+    _shared_ids: frozenset[int]
+    _shares_params: list[bool]
+    _extra_blocks: frozenset[int]
+    _extra_outside: frozenset[int]
+    _residual: ResidualPaths
+
+    def _own_frame(self) -> Frame | None:
+        frames = open_frames()
+        if frames and frames[-1].gate is self:  # one gated model running: the usual case
+            return frames[-1]
+        for frame in reversed(frames):
+            if frame.gate is self:
+                return frame
+        return None
+
+    def _first_opener(self) -> int:
+        raise NotImplementedError
+
+    def _set_prefix_mode(self, module: nn.Module) -> list[tuple[nn.Module, bool]]:
+        raise NotImplementedError
+
+    def _warn_once(self, key: str, message: str) -> None:
+        raise NotImplementedError
+
+    def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
+        frame = self._own_frame()
+        if frame is None:
+            planned = self._learn is not None or self._skip  # a skip-only (DropBP) plan too
+            if planned and torch.is_grad_enabled() and not grad_held_off():
+                self._warn_once("outside", outside_call(self._points[position][0], self._model))
+            return
+        if self._first is None:
+            self._first_opener()  # the plan's tables, for _exit_block too
+        if self._stacks.of[position] not in frame.stacks_ran:
+            self._stacks.start(frame, position, planned=self._learn is not None)
+        if position > frame.last_position:
+            frame.last_position = position
+        elif position < frame.last_position and position not in frame.ran:
+            self._warn_once(
+                "order",
+                f"block {self._points[position][0]!r} ran after "
+                f"{self._points[frame.last_position][0]!r}, out of the listed order; depth "
+                "counts blocks in the listed order and the cut follows the run (blocks that "
+                "run after the cut without learning pass gradients but get none). Pass "
+                "blocks=[...] in the order they run if that is what you meant.",
+            )
+        if frame.gap_calls:
+            self._gap_modules.update(frame.gap_calls)  # these ran between blocks
+            frame.gap_calls.clear()
+        frame.ran.add(position)
+        learns = self._learn is not None and position in self._learn
+        if frame.tentative is not None:
+            if learns:
+                self._end_gap(frame)
+            else:
+                self._close_again(frame)
+        if learns and position not in self._skip:
+            self._open(frame)
+        elif frame.blocking and not (frame.opened or frame.training or self.prefix_mode == "keep"):
+            frame.block_training[position] = self._set_prefix_mode(module)
+        if position in self._skip:
+            frame.skipped[position] = torch.is_grad_enabled()
+            frame.skipped_args[position] = args
+            traced = frame.skipped[position] and self._residual.trace(position, args)
+            internals.set_grad_mode(traced)
+        elif not learns and (
+            position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
+        ):  # a named module inside it may learn (and open the cut): the rest of it does not
+            frame.frozen[position] = freeze_for_call(module, self._keep)
+
+    def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
+        """A block's call, the usual way before the cut (in order, its stack running, nothing to
+        change: its hooks would only note it ran, and open the cut for now after it), else its
+        hooks around it. One function: this runs at every block of every forward."""
+        frames = getattr(THREAD, "frames", ())
+        frame = frames[-1] if frames else None
+        if self._first is None:
+            self._first_opener()
+        if (
+            frame is None
+            or frame.gate is not self
+            or position != frame.last_position + 1
+            or (frame.opened and frame.tentative is None)
+            or frame.gap_calls
+            or self.prefix_mode != "keep"
+            or not self._plain[position]
+        ):
+            return wrapper.call_hooks(args, kwargs)
+        frame.last_position = position
+        frame.ran.add(position)
+        if frame.tentative is not None:  # _close_again
+            frame.tentative, frame.opened = None, False
+            internals.set_grad_mode(False)
+            if frame.autocast_cache is not None:
+                torch.set_autocast_cache_enabled(False)
+        output = wrapper.inner(*args, **kwargs)
+        if not frame.blocking or frame.opened or not self._after[position]:
+            return output
+        if (
+            len(frames) == 1
+            and frame.autocast_cache is None
+            and not (frame.training or frame.block_training)
+            and not position < self._first < len(self._points)
+            and frame.call_site is not None
+        ):  # _open_after with nothing to put back and no gap to freeze
+            frame.tentative, frame.opened = position, True
+            internals.set_grad_mode(True)
+        elif frame.call_site is not None:  # else closed (the gate was removed in the call)
+            self._open_after(frame, position)
+        return output
+
+    def _exit_block(
+        self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> Any:
+        frame = self._own_frame()
+        if frame is None:
+            return None
+        if position in frame.frozen:
+            frozen = frame.frozen.pop(position)
+            if self._shares_params[position]:
+                for param in frozen:
+                    param.requires_grad_(True)  # another block may learn with them later
+            else:
+                frame.held.extend(frozen)
+        if frame.block_training and position in frame.block_training:
+            for block_module, training in frame.block_training.pop(position):
+                block_module.training = training
+        replaced = None
+        if frame.skipped and position in frame.skipped:
+            traced = torch.is_grad_enabled()
+            internals.set_grad_mode(frame.skipped.pop(position))
+            name = self._points[position][0]
+            output = self._residual.check(traced, position, name, args, kwargs, output)
+            # around to the args the gate saw, not a later pre-hook's no-graph copies (ZeRO-3)
+            replaced = pass_around(name, frame.skipped_args.pop(position, args), kwargs, output)
+        elif frame.opened and not frame.checked and self._learns(position):
+            frame.checked = True  # the first learner after the cut is where it would show
+            frame.explained = check_block_output_learns(self._points[position][0], module, output)
+        if frame.blocking and not frame.opened and self._after[position]:  # made at the enter
+            self._open_after(frame, position)
+        return replaced
+
+    def _open_after(self, frame: Frame, position: int) -> None:
+        """Open the cut for now after a block that does not learn (see _plan_tables)."""
+        frame.tentative = position
+        self._open(frame)
+        if position < self._first_opener() < len(self._points) and GAP not in frame.frozen:
+            # grad on for checkpoint(), yet the code before the learner records nothing
+            frame.frozen[GAP] = freeze_for_call(self._model, self._gap_keep, around=self._block_ids)
+
+    def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
+        frame.tentative = tentative
+        for param in frame.frozen.pop(GAP, ()):
+            param.requires_grad_(True)
+
+    def _enter_extra(self, module: nn.Module, args: Any) -> None:
+        frame = self._own_frame()
+        if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
+            self._end_gap(frame)
+            self._open(frame)
+
+    def _enter_outside(self, index: int, module: nn.Module, args: Any) -> None:
+        """An embedding, norm or head ran: open the cut here if LayerDrop skipped the stack.
+
+        No block hook can open the cut then; it opens at the first module that earlier forwards
+        saw run after that stack (never before it: registration order is no guide). Under a
+        learning set, one that runs after the cut unnamed, and not after the last stack, is
+        frozen for the step.
+        """
+        frame = self._own_frame()
+        if frame is None:
+            return
+        frame.outside_calls.append((index, len(frame.stacks_ran)))
+        if GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
+            frame.gap_calls.append(index)
+            if index not in self._gap_modules:
+                self._end_gap(frame, frame.tentative)
+        if frame.blocking and not frame.opened:
+            stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
+            if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):
+                self._enter_extra(module, args)  # else the stack's own blocks open the cut
+        elif (
+            isinstance(self._learn, frozenset)  # a learning set freezes what it does not name
+            and frame.opened
+            and torch.is_grad_enabled()
+            and index not in self._extra_outside
+            and not self._stacks.runs_after_last(frame, index)
+        ):
+            frame.held.extend(freeze_for_call(module, self._keep | self._shared_ids))
+
+    def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
+        frame = self._own_frame()
+        if frame is not None and frame.blocking:
+            frame.shared_uses.setdefault(index, {}).setdefault(frame.opened, module)
+
+    # -- opening and closing the cut -----------------------------------------------------------
+    def _close_again(self, frame: Frame) -> None:
+        frame.tentative, frame.opened = None, False
+        internals.set_grad_mode(False)
+        if frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(False)
+
+    def _open(self, frame: Frame) -> None:
+        if not frame.blocking or frame.opened:
+            return
+        frame.opened = True
+        if frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(frame.autocast_cache)
+        if frame.training or frame.block_training:
+            for prefix_module, training in [
+                *frame.training,
+                *(m for ms in frame.block_training.values() for m in ms),
+            ]:  # also a block running before the cut that a named module inside it opens
+                prefix_module.training = training
+            frame.training, frame.block_training = [], {}
+        if len(open_frames()) == 1 or not grad_held_off():  # one: this one, open now
+            internals.set_grad_mode(True)  # a blocking frame always traces back to grad on
+
+    def _learns(self, position: int) -> bool:
+        return self._learn is not None and position in self._learn
