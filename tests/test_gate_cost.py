@@ -272,3 +272,22 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
         model[3](x)  # outside the gated call: its hooks decide
     assert [list(model).index(m) for m in hooked] == [3]
     gate.remove()
+
+
+def test_a_forward_where_no_block_learns_and_none_is_held_registers_no_hook() -> None:
+    """Nothing to wait for in its backward: no block learns, no parameter is held frozen."""
+    model = nn.Sequential(*_mlp(), nn.Linear(3, 1))
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    x = torch.randn(2, 3)
+    registered = []
+    for depth in (0, 0, 2, 2, 0):
+        gate.depth = depth
+        model.zero_grad(set_to_none=True)
+        before = internals.hooks_registered()
+        out = model(x)
+        registered.append(internals.hooks_registered() != before)
+        out.sum().backward()
+        learned = [param.grad is not None for param in model.parameters()]
+        assert learned == [False] * 2 * (4 - depth) + [True] * 2 * (depth + 1)
+    assert registered == [False, False, True, True, False]
+    gate.remove()

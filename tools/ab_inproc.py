@@ -1,45 +1,109 @@
-"""Steady gradgate / ideal step ratios for an A/B: many interleaved steps in one process.
+"""Gate cost A/B in one process: an earlier commit's gate, this checkout's, and the ideal.
 
-``gradgate bench --quick`` times 3 steps per row; on a shared machine its ratios move by a few
-percent between runs. This script times ``steps`` interleaved pairs of a gradgate step and a
-hand-written ideal step (optimizer step included) per model and depth, and prints the median
-ratio. Run it once per version, alternating, with ``PYTHONPATH`` on that version's ``src``::
+On a shared machine, step times drift by several percent between processes (and memory
+layouts differ between them), more than a change to the gate's hot path moves them. Here both
+versions run in the same process: the earlier commit's package is exported with ``git archive``
+and imported under another name (its modules import each other relatively). Per model and
+depth, each round runs one step of each (A's gated copy, B's gated copy, the hand-written
+ideal; optimizer step included) and the table gives the median over rounds of A / ideal and
+B / ideal::
 
-    PYTHONPATH=src python tools/ab_inproc.py B conv_stack,llama,gpt2,transformer 0,2,all 40
+    PYTHONPATH=src python tools/ab_inproc.py --base d42f23c --steps 60
+
+Uses the stdlib, git and torch; the exported copy lives in a temporary folder.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import importlib
+import io
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from gradgate._bench.catalog import FACTORIES
-from gradgate._bench.methods import Runner
+ROOT = Path(__file__).resolve().parent.parent
+BASE_NAME = "gradgate_base"
 
 
-def main(label: str, models: str, depths: str, steps: str = "40") -> None:
+def import_base(commit: str, folder: Path) -> Any:
+    """The package ``gradgate`` of ``commit``, imported as ``gradgate_base``."""
+    archive = subprocess.run(
+        ["git", "archive", commit, "src/gradgate"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "src" / "gradgate").rename(folder / BASE_NAME)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(BASE_NAME)
+
+
+def compare(base: Any, name: str, depths: list[int | None], rounds: int) -> str:
+    """One model's row: per depth, the medians of A / ideal and B / ideal."""
+    from gradgate._bench.catalog import FACTORIES
+    from gradgate._bench.methods import Runner
+
+    runner = Runner(FACTORIES[name](size="quick"))
+    model = copy.deepcopy(runner.workload.model)
+    gate = base.BackpropGate(model, blocks=runner.workload.blocks)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step_a(depth: int | None) -> None:
+        gate.depth = depth
+        runner.loss(model).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    steps: dict[str, Callable[[int | None], None]] = {
+        "A": step_a,
+        "B": lambda depth: runner.step("gradgate", depth),
+        "ideal": lambda depth: runner.step("ideal", depth),
+    }
+    cells = []
+    for depth in depths:
+        for _ in range(5):  # warm-up
+            for step in steps.values():
+                step(depth)
+        times: dict[str, list[float]] = {key: [] for key in steps}
+        for _ in range(rounds):
+            for key, step in steps.items():
+                start = time.perf_counter()
+                step(depth)
+                times[key].append(time.perf_counter() - start)
+        a, b = (
+            statistics.median(t / i for t, i in zip(times[k], times["ideal"], strict=True))
+            for k in ("A", "B")
+        )
+        cells.append(f"d={depth}: A {a:.3f} B {b:.3f}")
+    gate.remove()
+    runner.close()
+    return f"{name} " + " | ".join(cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the earlier commit (A)")
+    parser.add_argument("--models", default="conv_stack,gpt2,llama,transformer")
+    parser.add_argument("--depths", default="0,1,2,3,all")
+    parser.add_argument("--steps", type=int, default=60, help="rounds per model and depth")
+    args = parser.parse_args()
+    depths = [None if d == "all" else int(d) for d in args.depths.split(",")]
     torch.set_num_threads(1)
-    for name in models.split(","):
-        runner = Runner(FACTORIES[name](size="quick"))
-        rows = []
-        for depth in [None if d == "all" else int(d) for d in depths.split(",")]:
-            for _ in range(5):  # warm-up
-                runner.step("gradgate", depth)
-                runner.step("ideal", depth)
-            times: dict[str, list[float]] = {"gradgate": [], "ideal": []}
-            for _ in range(int(steps)):
-                for method, samples in times.items():
-                    start = time.perf_counter()
-                    runner.step(method, depth)
-                    samples.append(time.perf_counter() - start)
-            gated, ideal = (statistics.median(times[m]) for m in ("gradgate", "ideal"))
-            rows.append(f"d={depth}: {gated / ideal:.3f} ({gated * 1e3:.2f}/{ideal * 1e3:.2f} ms)")
-        print(label, name, " | ".join(rows), flush=True)
-        runner.close()
+    with tempfile.TemporaryDirectory() as folder:
+        base = import_base(args.base, Path(folder))
+        print(f"A = {args.base}, B = this checkout; median of gated / ideal step time per round")
+        for name in args.models.split(","):
+            print(compare(base, name, depths, args.steps), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

@@ -230,7 +230,8 @@ class _Cut(BlockHooks, Handle):
         held, frame.held = frame.held, []
         graph = graph_of(output) if frame.blocking or held else []
         if frame.blocking and frame.opened and torch.is_grad_enabled():
-            self._held.hold(held, graph, self._learners(frame))
+            if held or self._learn or self._extra:  # else nothing to wait for in its backward
+                self._held.hold(held, graph, self._learners(frame))
         elif held:
             self._held.hold(held, graph, Learners())
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
