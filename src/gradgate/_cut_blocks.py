@@ -118,10 +118,10 @@ class BlockHooks:
         """A block's call, the usual way before the cut (in order, its stack running, nothing to
         change: its hooks would only note it ran, and open the cut for now after it), else its
         hooks around it. One function: this runs at every block of every forward."""
-        frames = getattr(THREAD, "frames", ())
-        frame = frames[-1] if frames else None
         if self._first is None:
             self._first_opener()
+        frames = getattr(THREAD, "frames", ())
+        frame = frames[-1] if frames and self._plain[position] else None
         if (
             frame is None
             or frame.gate is not self
@@ -129,9 +129,12 @@ class BlockHooks:
             or (frame.opened and frame.tentative is None)
             or frame.gap_calls
             or self.prefix_mode != "keep"
-            or not self._plain[position]
-        ):
-            return wrapper.call_hooks(args, kwargs)
+        ):  # the block's hooks (they are its only gate hooks: the wrapper takes the lane then)
+            module = wrapper.module
+            self._enter_block(position, module, args)  # never replaces the arguments
+            output = wrapper.inner(*args, **kwargs)
+            replaced = self._exit_block(position, module, args, kwargs, output)
+            return output if replaced is None else replaced
         frame.last_position = position
         frame.ran.add(position)
         if frame.tentative is not None:  # _close_again
