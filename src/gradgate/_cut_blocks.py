@@ -137,25 +137,11 @@ class BlockHooks:
             return output if replaced is None else replaced
         frame.last_position = position
         frame.ran.add(position)
-        if frame.tentative is not None:  # _close_again
-            frame.tentative, frame.opened = None, False
-            internals.set_grad_mode(False)
-            if frame.autocast_cache is not None:
-                torch.set_autocast_cache_enabled(False)
+        if frame.tentative is not None:
+            self._close_again(frame)
         output = wrapper.inner(*args, **kwargs)
-        if not frame.blocking or frame.opened or not self._after[position]:
-            return output
-        if (
-            len(frames) == 1
-            and frame.autocast_cache is None
-            and not (frame.training or frame.block_training)
-            and not position < self._first < len(self._points)
-            and frame.call_site is not None
-        ):  # _open_after with nothing to put back and no gap to freeze
-            frame.tentative, frame.opened = position, True
-            internals.set_grad_mode(True)
-        elif frame.call_site is not None:  # else closed (the gate was removed in the call)
-            self._open_after(frame, position)
+        if frame.blocking and not frame.opened and self._after[position] and frame.call_site:
+            self._open_after(frame, position)  # no call site: closed, the gate was removed
         return output
 
     def _exit_block(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._block_calls import distributed_running
 from ._bucket_tag import digits_per_element, disagreeing, encode
 from ._errors import GradgateError, RankMismatchError
 from ._fsdp import apply_plan_to_fsdp
@@ -72,7 +73,7 @@ def check_same_plan(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise GradgateError(f"timeout={timeout!r}; expected a number of seconds above 0.")
     fingerprint = _fingerprint(plan_key)
-    if not _in_process_group():
+    if not distributed_running():
         return
     extremes = torch.tensor(
         [fingerprint, -fingerprint], dtype=torch.int64, device=_device(process_group)
@@ -93,10 +94,6 @@ def check_same_plan(
         "from a seeded schedule (gg.schedules.RandomDepth(n, seed=0).apply(gate, step)) or "
         "broadcast it from rank 0 before the forward."
     )
-
-
-def _in_process_group() -> bool:
-    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _fingerprint(plan_key: tuple[int, ...] | bytes) -> int:
