@@ -4,6 +4,7 @@ place; per-plan caches follow every plan change (timings live in benchmarks, not
 from __future__ import annotations
 
 import copy
+import gc
 
 import models
 import pytest
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
-from gradgate import _frames
+from gradgate import _cut as _cut_module
+from gradgate import _frames, _plan_tables
 from gradgate import _torch_internals as internals
 from gradgate._hooks import GateHook, HookedForward
 
@@ -290,4 +292,72 @@ def test_a_forward_where_no_block_learns_and_none_is_held_registers_no_hook() ->
         learned = [param.grad is not None for param in model.parameters()]
         assert learned == [False] * 2 * (4 - depth) + [True] * 2 * (depth + 1)
     assert registered == [False, False, True, True, False]
+    gate.remove()
+
+
+class PairBlock(nn.Module):
+    """A block that returns a tuple, as transformers' layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x + self.linear(x).tanh(), None
+
+
+class PairStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([PairBlock() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.blocks:
+            x, _ = block(x)
+        return {"out": x}
+
+
+def test_a_gated_step_leaves_nothing_for_the_cycle_collector() -> None:
+    """Garbage in reference cycles waits for the collector, whose full passes over a training
+    process's heap take tens of milliseconds: a gated step makes none (a plain step makes none)."""
+    torch.manual_seed(0)
+    model = PairStack()
+    x = torch.randn(2, 3)
+    gate = gg.BackpropGate(model)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for depth in (2, 2, None, 1, 4):
+            gate.depth = depth
+            gc.collect()
+            model(x)["out"].sum().backward()
+            assert gc.collect() == 0, depth
+    finally:
+        if enabled:
+            gc.enable()
+    gate.remove()
+
+
+def test_the_plan_tables_are_made_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting the depth at every step (as loops do) reuses the tables of a plan seen before."""
+    made: list[int | None] = []
+
+    def first_opener(learn: object, skip: object, n: int) -> int:
+        made.append(None if learn is None else len(learn))  # type: ignore[arg-type]
+        return _plan_tables.first_opener(learn, skip, n)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_cut_module, "first_opener", first_opener)
+    model = nn.Sequential(*_mlp(), nn.Linear(3, 1))
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    x = torch.randn(2, 3)
+    for depth in (1, 1, 1, 2, 2, 1, 2):
+        gate.depth = depth
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        learned = [model[i].linear.weight.grad is not None for i in range(4)]
+        assert learned == [i >= 4 - depth for i in range(4)]
+    assert made == [1, 2]
+    gate.skip = {3}  # another plan: its own tables
+    model(x).sum().backward()
+    assert made == [1, 2, 2]
     gate.remove()

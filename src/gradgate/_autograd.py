@@ -25,7 +25,7 @@ from ._torch_internals import (
     needs,
     outer_saved_tensors_hooks,
     saved_tensors_hooks_active,
-    tree_flatten,
+    tree_leaves,
 )
 
 Node = Any  # torch.autograd.graph.Node; its Python API is only partly typed
@@ -44,7 +44,7 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     [1, 2]
     """
     found: list[torch.Tensor] = []
-    for leaf in tree_flatten(value)[0]:
+    for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif isinstance(leaf, Mapping):

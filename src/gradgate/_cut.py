@@ -80,6 +80,7 @@ class _Cut(BlockHooks, Handle):
         self._first: int | None = None  # the first block that opens the cut (per plan)
         self._after: list[bool] = []  # per block, per plan: see _plan_tables
         self._plain: list[bool] = []
+        self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[bool]]] = {}  # by plan
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._keep: frozenset[int] = frozenset()  # ids of their parameters
@@ -154,12 +155,23 @@ class _Cut(BlockHooks, Handle):
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none); the
-        plan's other tables (see _plan_tables) are made with it, once per plan."""
+        plan's other tables (see _plan_tables) are made with it, once per plan: loops set the
+        depth at every step, often to one they set before."""
         if self._first is None:
-            learn, skip, of = self._learn, self._skip, self._stacks.of
-            self._first = first_opener(learn, skip, len(self._points))
-            self._after = opens_after(learn, skip, of, self._first)
-            self._plain = plain_blocks(learn, skip, self._extra_blocks, of)
+            key = (self._learn, self._skip, self._extra)
+            tables = self._tables.get(key)
+            if tables is None:
+                if len(self._tables) >= 64:  # random learning sets (LISA): a few at a time
+                    self._tables.clear()
+                learn, skip, of = self._learn, self._skip, self._stacks.of
+                first = first_opener(learn, skip, len(self._points))
+                after = opens_after(learn, skip, of, first)
+                tables = self._tables[key] = (
+                    first,
+                    after,
+                    plain_blocks(learn, skip, self._extra_blocks, of),
+                )
+            self._first, self._after, self._plain = tables
         return self._first
 
     def _in_backward(self) -> list[bool]:

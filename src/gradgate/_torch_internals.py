@@ -79,6 +79,13 @@ def tree_flatten(value: Any) -> tuple[list[Any], Any]:
     return leaves, _flatten(value, leaves)
 
 
+def tree_leaves(value: Any) -> list[Any]:
+    """The leaves of a nested value. torch's ``tree_flatten`` leaves a reference cycle behind
+    at every call (its recursive helper), garbage for the cycle collector: this makes none."""
+    leaves = getattr(PYTREE, "tree_leaves", None)
+    return tree_flatten(value)[0] if leaves is None else leaves(value)  # type: ignore[no-any-return]
+
+
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     """The nested value ``spec`` describes, with ``leaves`` in its leaf slots."""
     if PYTREE is not None and not isinstance(spec, _Spec):
