@@ -273,6 +273,15 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
     with pytest.warns(gg.BlockCallWarning, match="outside a call of the gated"):
         model[3](x)  # outside the gated call: its hooks decide
     assert hooked == [3]
+    hooked.clear()
+    gate.depth = 3
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    # learners after the first one, in order, take the same way (the first opens the cut)
+    assert hooked == [0, 2]
+    for i in range(2, 5):
+        assert torch.equal(model[i].linear.weight.grad, grads[f"{i}.linear.weight"])
+    assert all(model[i].linear.weight.grad is None for i in range(2))
     gate.remove()
 
 

@@ -12,7 +12,6 @@ the next forward), to come back when a plan is set. The block hooks are in ``_cu
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -80,7 +79,8 @@ class _Cut(BlockHooks, Handle):
         self._first: int | None = None  # the first block that opens the cut (per plan)
         self._after: list[bool] = []  # per block, per plan: see _plan_tables
         self._plain: list[bool] = []
-        self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[bool]]] = {}  # by plan
+        self._plain_learner: list[bool] = []
+        self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[bool], list[bool]]] = {}
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._keep: frozenset[int] = frozenset()  # ids of their parameters
@@ -106,7 +106,7 @@ class _Cut(BlockHooks, Handle):
         self._hooks = HookSet()
         for position, (_, module) in enumerate(points):
             enter, exit = (GateHook(self, f"_{e}_block", position) for e in ("enter", "exit"))
-            lane = partial(self._block_lane, position)
+            lane = (self._block_lane, position)
             self._hooks.around(module, enter, exit, prepend=True, lane=lane)
         for index, module in enumerate(self._stacks.outside):
             self._hooks.around(module, GateHook(self, "_enter_outside", index))
@@ -166,12 +166,14 @@ class _Cut(BlockHooks, Handle):
                 learn, skip, of = self._learn, self._skip, self._stacks.of
                 first = first_opener(learn, skip, len(self._points))
                 after = opens_after(learn, skip, of, first)
+                named = self._extra_blocks
                 tables = self._tables[key] = (
                     first,
                     after,
-                    plain_blocks(learn, skip, self._extra_blocks, of),
+                    plain_blocks(learn, skip, named, of),
+                    plain_blocks(learn, skip, named, of, learning=True),
                 )
-            self._first, self._after, self._plain = tables
+            self._first, self._after, self._plain, self._plain_learner = tables
         return self._first
 
     def _in_backward(self) -> list[bool]:

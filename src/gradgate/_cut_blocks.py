@@ -40,6 +40,7 @@ class BlockHooks:
     _first: int | None
     _after: list[bool]
     _plain: list[bool]
+    _plain_learner: list[bool]
     _keep: frozenset[int]
     _gap_keep: frozenset[int]
     _gap_modules: set[int]
@@ -115,26 +116,31 @@ class BlockHooks:
             frame.frozen[position] = freeze_for_call(module, self._keep)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
-        """A block's call, the usual way before the cut (in order, its stack running, nothing to
-        change: its hooks would only note it ran, and open the cut for now after it), else its
-        hooks around it. One function: this runs at every block of every forward."""
+        """A block's call, the usual way: in order, its stack running, nothing to change. Before
+        the cut its hooks would only note it ran, and open the cut for now after it; after the
+        first learner (which opened the cut and had its output checked), a learner's would only
+        note it ran. Else its hooks run around it. One function: this runs at every block of
+        every forward."""
         if self._first is None:
             self._first_opener()
         frames = getattr(THREAD, "frames", ())
-        frame = frames[-1] if frames and self._plain[position] else None
+        frame = frames[-1] if frames else None
         if (
             frame is None
             or frame.gate is not self
             or position != frame.last_position + 1
-            or (frame.opened and frame.tentative is None)
             or frame.gap_calls
             or self.prefix_mode != "keep"
-        ):  # the block's hooks (they are its only gate hooks: the wrapper takes the lane then)
-            module = wrapper.module
-            self._enter_block(position, module, args)  # never replaces the arguments
-            output = wrapper.inner(*args, **kwargs)
-            replaced = self._exit_block(position, module, args, kwargs, output)
-            return output if replaced is None else replaced
+        ):
+            return self._hooked_call(position, wrapper, args, kwargs)
+        if frame.opened and frame.tentative is None:  # after the cut
+            if not (self._plain_learner[position] and frame.checked):
+                return self._hooked_call(position, wrapper, args, kwargs)
+            frame.last_position = position
+            frame.ran.add(position)
+            return wrapper.inner(*args, **kwargs)
+        if not self._plain[position]:
+            return self._hooked_call(position, wrapper, args, kwargs)
         frame.last_position = position
         frame.ran.add(position)
         if frame.tentative is not None:
@@ -143,6 +149,14 @@ class BlockHooks:
         if frame.blocking and not frame.opened and self._after[position] and frame.call_site:
             self._open_after(frame, position)  # no call site: closed, the gate was removed
         return output
+
+    def _hooked_call(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
+        """The block's call with its hooks around it (its only gate hooks: the lane's pair)."""
+        module = wrapper.module
+        self._enter_block(position, module, args)  # never replaces the arguments
+        output = wrapper.inner(*args, **kwargs)
+        replaced = self._exit_block(position, module, args, kwargs, output)
+        return output if replaced is None else replaced
 
     def _exit_block(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any

@@ -49,7 +49,7 @@ class HookSet:
         exit: GateHook | None = None,
         *,
         prepend: bool = False,
-        lane: Any = None,
+        lane: tuple[Any, Any] | None = None,
     ) -> list[_ModuleHook]:
         """``enter(module, args)`` before the module's forward (before its other pre-hooks with
         ``prepend``), ``exit(module, args, kwargs, output)`` after it, like module hooks, or

@@ -181,9 +181,9 @@ class HookedForward(_InstanceForward):
     called as torch calls module hooks (a result that is not ``None`` replaces the args or the
     output). ``runs`` is false while they are module hooks (``hooked``) or off: the wrapper then
     only calls through. Outside ``torch.compile`` it calls the gate's methods directly, not
-    through :class:`GateHook`, or, while its only hooks are one pair added with a ``lane``, the
-    lane: ``lane(wrapper, args, kwargs)`` does what they would, and more cheaply, or calls
-    :meth:`call_hooks`.
+    through :class:`GateHook`, or, while its only hooks are the pair added with a lane
+    ``(function, first)``, the lane: ``function(first, wrapper, args, kwargs)`` does what they
+    would, and more cheaply (a bound method, so that calling it from here needs no C frame).
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -191,8 +191,10 @@ class HookedForward(_InstanceForward):
         self.enter: list[GateHook] = []
         self.exit: list[GateHook] = []
         self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
-        self._lanes: dict[tuple[GateHook, GateHook], Any] = {}
-        self._lane: Any = None
+        self._lane_for: tuple[GateHook, GateHook] | None = None  # the pair the lane replaces
+        self._lane_of_pair: tuple[Any, Any] = (None, None)
+        self._lane: Any = None  # the lane's function while the pair are the only hooks
+        self._lane_first: Any = None
         self.hooked = self.runs = False
 
     def add(self, hook: GateHook, *, pre: bool, first: bool = False) -> None:
@@ -200,14 +202,15 @@ class HookedForward(_InstanceForward):
         hooks.insert(0 if first else len(hooks), hook)
         self._update()
 
-    def add_lane(self, enter: GateHook, exit: GateHook, lane: Any) -> None:
+    def add_lane(self, enter: GateHook, exit: GateHook, lane: tuple[Any, Any]) -> None:
         """``lane`` takes the place of ``enter`` and ``exit`` while they are the only hooks."""
-        self._lanes[enter, exit] = lane
+        self._lane_for, self._lane_of_pair = (enter, exit), lane
         self._update()
 
     def drop(self, hook: GateHook) -> None:
         (self.enter if hook in self.enter else self.exit).remove(hook)
-        self._lanes = {pair: lane for pair, lane in self._lanes.items() if hook not in pair}
+        if self._lane_for is not None and hook in self._lane_for:
+            self._lane_for, self._lane_of_pair = None, (None, None)
         self._update()
 
     def _update(self) -> None:
@@ -216,7 +219,8 @@ class HookedForward(_InstanceForward):
             for hooks in (self.enter, self.exit)
         )
         only = (self.enter[0], self.exit[0]) if len(self.enter) == len(self.exit) == 1 else None
-        self._lane = self._lanes.get(only) if only else None  # type: ignore[arg-type]
+        lane = self._lane_of_pair if only and only == self._lane_for else (None, None)
+        self._lane, self._lane_first = lane
 
     def others(self) -> bool:
         """Whether the module has hooks that are not these."""
@@ -235,7 +239,7 @@ class HookedForward(_InstanceForward):
         if torch.compiler.is_compiling() or internals.eval_frame_callback():
             return self.call_hooks(args, kwargs, compiled=True)  # the gate stays out of graphs
         if self._lane is not None:
-            return self._lane(self, args, kwargs)
+            return self._lane(self._lane_first, self, args, kwargs)
         return self.call_hooks(args, kwargs)
 
     def call_hooks(self, args: Any, kwargs: Any, *, compiled: bool = False) -> Any:

@@ -47,16 +47,24 @@ def plain_blocks(
     skip: Collection[int],
     named_inside: Collection[int],
     stack_of: list[int],
+    *,
+    learning: bool = False,
 ) -> list[bool]:
-    """Per block: it neither learns, is skipped, nor holds a named learning module, and the
-    block before it is in its stack. Run in order before the cut, its hooks only note it ran
-    (and close the cut again if it opened for now).
+    """Per block: it does not learn (it learns, with ``learning``), is not skipped, holds no
+    named learning module, and the block before it is in its stack. Run in order before the cut
+    (after it, with ``learning``), its hooks only note it ran (and close the cut again if it
+    opened for now).
 
-    >>> plain_blocks(range(3, 4), {1}, set(), [0, 0, 0, 1])
-    [False, False, True, False]
+    >>> plain_blocks(range(3, 5), {1}, set(), [0, 0, 0, 0, 0])
+    [False, False, True, False, False]
+    >>> plain_blocks(range(3, 5), {1}, set(), [0, 0, 0, 0, 0], learning=True)
+    [False, False, False, True, True]
     """
     learn = learn or ()
     return [
-        p > 0 and stack_of[p - 1] == of and not (p in learn or p in skip or p in named_inside)
+        p > 0
+        and stack_of[p - 1] == of
+        and (p in learn) == learning
+        and not (p in skip or p in named_inside)
         for p, of in enumerate(stack_of)
     ]
