@@ -43,6 +43,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     >>> [t.shape[0] for t in tensors_in((torch.ones(1), {"a": torch.ones(2)}, "x"))]
     [1, 2]
     """
+    if isinstance(value, torch.Tensor):  # a block's usual output: no tree to walk
+        return [value]
     found: list[torch.Tensor] = []
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):

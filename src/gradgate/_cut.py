@@ -170,8 +170,8 @@ class _Cut(BlockHooks, Handle):
                 tables = self._tables[key] = (
                     first,
                     after,
-                    plain_blocks(learn, skip, named, of),
-                    plain_blocks(learn, skip, named, of, learning=True),
+                    plain_blocks(learn, skip, named, len(of)),
+                    plain_blocks(learn, skip, named, len(of), learning=True),
                 )
             self._first, self._after, self._plain, self._plain_learner = tables
         return self._first

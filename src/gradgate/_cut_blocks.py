@@ -116,7 +116,7 @@ class BlockHooks:
             frame.frozen[position] = freeze_for_call(module, self._keep)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
-        """A block's call, the usual way: in order, its stack running, nothing to change. Before
+        """A block's call, the usual way: in order (starting its stack), nothing to change. Before
         the cut its hooks would only note it ran, and open the cut for now after it; after the
         first learner (which opened the cut and had its output checked), a learner's would only
         note it ran. Else its hooks run around it. One function: this runs at every block of
@@ -133,6 +133,8 @@ class BlockHooks:
             or self.prefix_mode != "keep"
         ):
             return self._hooked_call(position, wrapper, args, kwargs)
+        if self._stacks.starts[position] and self._stacks.of[position] not in frame.stacks_ran:
+            self._stacks.start(frame, position, planned=self._learn is not None)
         if frame.opened and frame.tentative is None:  # after the cut
             if not (self._plain_learner[position] and frame.checked):
                 return self._hooked_call(position, wrapper, args, kwargs)

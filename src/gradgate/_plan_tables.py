@@ -46,25 +46,18 @@ def plain_blocks(
     learn: Collection[int] | None,
     skip: Collection[int],
     named_inside: Collection[int],
-    stack_of: list[int],
+    n: int,
     *,
     learning: bool = False,
 ) -> list[bool]:
-    """Per block: it does not learn (it learns, with ``learning``), is not skipped, holds no
-    named learning module, and the block before it is in its stack. Run in order before the cut
-    (after it, with ``learning``), its hooks only note it ran (and close the cut again if it
-    opened for now).
+    """Per block of ``n``: it does not learn (it learns, with ``learning``), is not skipped,
+    and holds no named learning module. Run in order before the cut (after it, with
+    ``learning``), its hooks only note it ran (and close the cut again if it opened for now).
 
-    >>> plain_blocks(range(3, 5), {1}, set(), [0, 0, 0, 0, 0])
-    [False, False, True, False, False]
-    >>> plain_blocks(range(3, 5), {1}, set(), [0, 0, 0, 0, 0], learning=True)
+    >>> plain_blocks(range(3, 5), {1}, set(), 5)
+    [True, False, True, False, False]
+    >>> plain_blocks(range(3, 5), {1}, set(), 5, learning=True)
     [False, False, False, True, True]
     """
     learn = learn or ()
-    return [
-        p > 0
-        and stack_of[p - 1] == of
-        and (p in learn) == learning
-        and not (p in skip or p in named_inside)
-        for p, of in enumerate(stack_of)
-    ]
+    return [(p in learn) == learning and not (p in skip or p in named_inside) for p in range(n)]
