@@ -15,7 +15,7 @@ from torch import nn
 
 import gradgate as gg
 from gradgate import _cut as _cut_module
-from gradgate import _frames, _plan_tables
+from gradgate import _frames, _plan_tables, _stale_grads
 from gradgate import _torch_internals as internals
 from gradgate._hooks import GateHook, HookedForward
 
@@ -370,4 +370,33 @@ def test_the_plan_tables_are_made_once_per_plan(monkeypatch: pytest.MonkeyPatch)
     gate.skip = {3}  # another plan: its own tables
     model(x).sum().backward()
     assert made == [1, 2, 2]
+    gate.remove()
+
+
+def test_an_optimizer_step_walks_the_blocks_once_per_set_of_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A depth that alternates between steps (random depths, LISA's intervals) finds the
+    parameters to drop stale gradients from without walking the blocks again."""
+    walks: list[int] = []
+    walk = _stale_grads.CutGrads._walk
+
+    def counted(self: _stale_grads.CutGrads) -> list[nn.Parameter]:
+        walks.append(len(self._plans))
+        return walk(self)
+
+    monkeypatch.setattr(_stale_grads.CutGrads, "_walk", counted)
+    model = nn.Sequential(*_mlp(), nn.Linear(3, 1))
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(2, 3)
+    for depth in (1, 2, 1, 2, 1, 2):
+        gate.depth = depth
+        optimizer.zero_grad(set_to_none=False)  # zero grads left on every parameter
+        before = [model[i].linear.weight.detach().clone() for i in range(4)]
+        model(x).sum().backward()
+        optimizer.step()
+        for i in range(4):  # momentum moves no block that did not learn in this step
+            assert torch.equal(model[i].linear.weight, before[i]) == (i < 4 - depth), (depth, i)
+    assert walks == [1, 1]
     gate.remove()

@@ -86,7 +86,7 @@ class CutGrads:
         self._shared = shared  # tied parameters also used outside the blocks
         self._plans: list[tuple[Any, ...]] = []
         self._stepped = False
-        self._stale: tuple[list[tuple[Any, ...]], list[nn.Parameter]] = ([], [])  # last answer
+        self._stale: dict[tuple[tuple[Any, ...], ...], list[nn.Parameter]] = {}  # by plans
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -100,11 +100,15 @@ class CutGrads:
             plans.append((learn, skip, keep))
 
     def _not_learned(self) -> list[nn.Parameter]:
-        """The parameters of the blocks that learned in none of the plans (the same plans as
-        at the last step: the same answer, the blocks' parameters are not walked again)."""
-        if self._stale[0] != self._plans:
-            self._stale = (list(self._plans), self._walk())
-        return self._stale[1]
+        """The parameters of the blocks that learned in none of the plans (plans seen at an
+        earlier step: the same answer, the blocks' parameters are not walked again)."""
+        plans = tuple(self._plans)
+        stale = self._stale.get(plans)
+        if stale is None:
+            if len(self._stale) >= 64:  # random plans at every step (DropBP): a few at a time
+                self._stale.clear()
+            stale = self._stale[plans] = self._walk()
+        return stale
 
     def _walk(self) -> list[nn.Parameter]:
         learned: set[int] = set()
