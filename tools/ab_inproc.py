@@ -9,6 +9,7 @@ ideal; optimizer step included) and the table gives the median over rounds of A 
 B / ideal::
 
     PYTHONPATH=src python tools/ab_inproc.py --base d42f23c --steps 60
+    PYTHONPATH=src python tools/ab_inproc.py --base d42f23c --cycle   # a new depth every step
 
 Uses the stdlib, git and torch; the exported copy lives in a temporary folder.
 """
@@ -47,7 +48,9 @@ def import_base(commit: str, folder: Path) -> Any:
     return importlib.import_module(BASE_NAME)
 
 
-def compare(base: Any, name: str, depths: list[int | None], rounds: int) -> str:
+def compare(
+    base: Any, name: str, depths: list[int | None], rounds: int, *, cycle: bool = False
+) -> str:
     """One model's row: per depth, the medians of A / ideal and B / ideal."""
     from gradgate._bench.catalog import FACTORIES
     from gradgate._bench.methods import Runner
@@ -68,19 +71,26 @@ def compare(base: Any, name: str, depths: list[int | None], rounds: int) -> str:
         "B": lambda depth: runner.step("gradgate", depth),
         "ideal": lambda depth: runner.step("ideal", depth),
     }
+    # with ``cycle`` every round runs each depth in turn (a depth that changes at every step,
+    # as in random-depth loops); else the rounds of one depth run together
+    groups = [depths] if cycle else [[depth] for depth in depths]
+    times: dict[tuple[str, int | None], list[float]] = {}
+    for group in groups:
+        for _ in range(5):  # warm-up
+            for depth in group:
+                for step in steps.values():
+                    step(depth)
+        for _ in range(rounds):
+            for depth in group:
+                for key, step in steps.items():
+                    start = time.perf_counter()
+                    step(depth)
+                    times.setdefault((key, depth), []).append(time.perf_counter() - start)
     cells = []
     for depth in depths:
-        for _ in range(5):  # warm-up
-            for step in steps.values():
-                step(depth)
-        times: dict[str, list[float]] = {key: [] for key in steps}
-        for _ in range(rounds):
-            for key, step in steps.items():
-                start = time.perf_counter()
-                step(depth)
-                times[key].append(time.perf_counter() - start)
+        ideal = times["ideal", depth]
         a, b = (
-            statistics.median(t / i for t, i in zip(times[k], times["ideal"], strict=True))
+            statistics.median(t / i for t, i in zip(times[k, depth], ideal, strict=True))
             for k in ("A", "B")
         )
         cells.append(f"d={depth}: A {a:.3f} B {b:.3f}")
@@ -95,6 +105,9 @@ def main() -> None:
     parser.add_argument("--models", default="conv_stack,gpt2,llama,transformer")
     parser.add_argument("--depths", default="0,1,2,3,all")
     parser.add_argument("--steps", type=int, default=60, help="rounds per model and depth")
+    parser.add_argument(
+        "--cycle", action="store_true", help="a new depth at every step (each round: all depths)"
+    )
     args = parser.parse_args()
     depths = [None if d == "all" else int(d) for d in args.depths.split(",")]
     torch.set_num_threads(1)
@@ -102,7 +115,7 @@ def main() -> None:
         base = import_base(args.base, Path(folder))
         print(f"A = {args.base}, B = this checkout; median of gated / ideal step time per round")
         for name in args.models.split(","):
-            print(compare(base, name, depths, args.steps), flush=True)
+            print(compare(base, name, depths, args.steps, cycle=args.cycle), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ REPEATS = (1, 1000)
 WARMUP = (0, 100)
 THREADS = (1, 1024)
 COMPILE_BACKEND = "aot_eager"
-SIZE_REPEATS = {"full": 7, "quick": 3, "tiny": 2}
+SIZE_REPEATS = {"full": 7, "quick": 9, "tiny": 2}
 SIZE_COMPILE_BLOCKS = {"full": 12, "quick": 4, "tiny": 4}
 SUMMARY = "compare full backprop, freezing by hand, gradgate and the ideal"
 
@@ -51,7 +51,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``gradgate bench``."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
-        "--quick", action="store_true", help="smaller models, 4 depths, 3 repeats (about a minute)"
+        "--quick", action="store_true", help="smaller models, 4 depths, 9 repeats (about a minute)"
     )
     size.add_argument("--tiny", action="store_true", help="toy sizes, for smoke tests")
     parser.add_argument(
@@ -79,7 +79,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         metavar="N",
         type=_in_range(*REPEATS),
-        help="timed steps per configuration (default: 7, 3 with --quick, 2 with --tiny)",
+        help="timed steps per configuration (default: 7, 9 with --quick, 2 with --tiny)",
     )
     parser.add_argument(
         "--warmup",
