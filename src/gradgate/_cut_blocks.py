@@ -133,7 +133,7 @@ class BlockHooks:
             or self.prefix_mode != "keep"
         ):
             return self._hooked_call(position, wrapper, args, kwargs)
-        if self._stacks.starts[position] and self._stacks.of[position] not in frame.stacks_ran:
+        if self._stacks.of[position] not in frame.stacks_ran:  # the first block of its stack
             self._stacks.start(frame, position, planned=self._learn is not None)
         if frame.opened and frame.tentative is None:  # after the cut
             if not (self._plain_learner[position] and frame.checked):

@@ -47,8 +47,6 @@ class Learners:
 
 def graph_of(output: Any) -> list[torch.Tensor]:
     """The tensors in ``output`` that backward can start from."""
-    if isinstance(output, torch.Tensor):  # the usual output: no tree to walk
-        return [output] if output.requires_grad else []
     return [tensor for tensor in tensors_in(output) if tensor.requires_grad]
 
 

@@ -23,7 +23,6 @@ class Stacks:
         self.names = [name.rpartition(".")[0] for name, _ in points]
         ids = {stack: i for i, stack in enumerate(dict.fromkeys(self.names))}
         self.of = [ids[stack] for stack in self.names]
-        self.starts = [p == 0 or of != self.of[p - 1] for p, of in enumerate(self.of)]
         self.outside = outside_modules(model, points)
         self._owner = {id(m): ("block", i) for i, (_, b) in enumerate(points) for m in b.modules()}
         self._owner |= {
