@@ -286,6 +286,28 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
     gate.remove()
 
 
+@pytest.mark.parametrize("depth", [0, 1])
+def test_blocks_before_the_cut_leave_autocasts_cache_alone(
+    monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """The cache goes off once for the forward and on at the learner, not at each block that
+    opens the cut for now (that would be two more calls per block)."""
+    model = nn.Sequential(_mlp(6), nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    grads = _plain_grads(copy.deepcopy(model), x)
+    calls: list[bool] = []
+    set_cache = torch.set_autocast_cache_enabled
+    monkeypatch.setattr(torch, "set_autocast_cache_enabled", calls.append)
+    with gg.backprop_depth(model, depth, blocks="0.*"):
+        model(x).pow(2).sum().backward()
+    set_cache(True)
+    assert calls == ([False, True] if depth == 0 else [False, True, True])
+    for i in range(6):
+        grad = model[0][i].linear.weight.grad
+        assert grad is None if i < 6 - depth else torch.equal(grad, grads[f"0.{i}.linear.weight"])
+    assert torch.equal(model[1].weight.grad, grads["1.weight"])
+
+
 def test_a_forward_where_no_block_learns_and_none_is_held_registers_no_hook() -> None:
     """Nothing to wait for in its backward: no block learns, no parameter is held frozen."""
     model = nn.Sequential(*_mlp(), nn.Linear(3, 1))

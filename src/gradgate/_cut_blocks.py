@@ -145,8 +145,9 @@ class BlockHooks:
             return self._hooked_call(position, wrapper, args, kwargs)
         frame.last_position = position
         frame.ran.add(position)
-        if frame.tentative is not None:
-            self._close_again(frame)
+        if frame.tentative is not None:  # _close_again's two lines: this runs at every block
+            frame.tentative, frame.opened = None, False
+            internals.set_grad_mode(False)
         output = wrapper.inner(*args, **kwargs)
         if frame.blocking and not frame.opened and self._after[position] and frame.call_site:
             self._open_after(frame, position)  # no call site: closed, the gate was removed
@@ -192,14 +193,19 @@ class BlockHooks:
         return replaced
 
     def _open_after(self, frame: Frame, position: int) -> None:
-        """Open the cut for now after a block that does not learn (see _plan_tables)."""
+        """Open the cut for now after a block that does not learn (see _plan_tables); autocast's
+        cache stays off until a learner runs."""
         frame.tentative = position
-        self._open(frame)
+        self._open(frame, for_now=True)
         if position < self._first_opener() < len(self._points) and GAP not in frame.frozen:
             # grad on for checkpoint(), yet the code before the learner records nothing
             frame.frozen[GAP] = freeze_for_call(self._model, self._gap_keep, around=self._block_ids)
 
     def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
+        """What runs now learns: the code between the blocks is no longer frozen, and unless
+        the cut stays open only for now (``tentative``), autocast's cache is back on."""
+        if tentative is None and frame.tentative is not None and frame.autocast_cache is not None:
+            torch.set_autocast_cache_enabled(frame.autocast_cache)
         frame.tentative = tentative
         for param in frame.frozen.pop(GAP, ()):
             param.requires_grad_(True)
@@ -248,14 +254,12 @@ class BlockHooks:
     def _close_again(self, frame: Frame) -> None:
         frame.tentative, frame.opened = None, False
         internals.set_grad_mode(False)
-        if frame.autocast_cache is not None:
-            torch.set_autocast_cache_enabled(False)
 
-    def _open(self, frame: Frame) -> None:
+    def _open(self, frame: Frame, *, for_now: bool = False) -> None:
         if not frame.blocking or frame.opened:
             return
         frame.opened = True
-        if frame.autocast_cache is not None:
+        if frame.autocast_cache is not None and not for_now:
             torch.set_autocast_cache_enabled(frame.autocast_cache)
         if frame.training or frame.block_training:
             for prefix_module, training in [
