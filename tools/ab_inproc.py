@@ -80,9 +80,13 @@ def compare(
             for depth in group:
                 for step in steps.values():
                     step(depth)
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for depth in group:
-                for key, step in steps.items():
+                # each takes its turn to run first: the step after another depth's (a full
+                # backward at depth None) runs slower, and a fixed order charged it to A
+                keys = list(steps)[round_ % 3 :] + list(steps)[: round_ % 3]
+                for key in keys:
+                    step = steps[key]
                     start = time.perf_counter()
                     step(depth)
                     times.setdefault((key, depth), []).append(time.perf_counter() - start)
