@@ -395,6 +395,33 @@ def test_the_plan_tables_are_made_once_per_plan(monkeypatch: pytest.MonkeyPatch)
     gate.remove()
 
 
+def test_setting_the_plan_it_has_redoes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loops set the depth at every step, mostly to the one it has."""
+    model = _mlp(4)
+    gate = gg.BackpropGate(model, depth=2)
+    x = torch.randn(2, 3)
+    grads = _plain_grads(copy.deepcopy(model), x)
+    model(x)
+    calls: list[str] = []
+    monkeypatch.setattr(gate, "_hooks_for_plan", lambda **kw: calls.append("hooks"))
+    tables = gate._first, gate._after
+    for _ in range(3):
+        gate.depth = 2
+    assert calls == [] and (gate._first, gate._after) == tables
+    gate.learn = {2, 3}  # the same blocks, as a learning set: another plan
+    assert calls == ["hooks"] and gate._first is None
+    gate.learn = {2, 3}
+    assert calls == ["hooks"]
+    monkeypatch.undo()
+    model(x).pow(2).sum().backward()
+    for i in range(4):
+        grad = model[i].linear.weight.grad
+        assert grad is None if i < 2 else torch.equal(grad, grads[f"{i}.linear.weight"])
+    gate.remove()
+    with pytest.raises(gg.GradgateError, match="was removed"):
+        gate.depth = 2
+
+
 def test_an_optimizer_step_walks_the_blocks_once_per_set_of_plans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -422,3 +449,32 @@ def test_an_optimizer_step_walks_the_blocks_once_per_set_of_plans(
             assert torch.equal(model[i].linear.weight, before[i]) == (i < 4 - depth), (depth, i)
     assert walks == [1, 1]
     gate.remove()
+
+
+def test_an_optimizer_step_reads_the_gradients_only_of_blocks_that_may_have_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found with no gradient once, a block that has not learned since cannot have one: a step
+    reads the .grad of each cut-off parameter only after its block learned."""
+    reads: list[int] = []
+    monkeypatch.setattr(_stale_grads, "_GRAD", lambda param: reads.append(1) or param.grad)
+    model = nn.Sequential(*_mlp(), nn.Linear(3, 1))
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(2, 3)
+    per_step = []
+    for depth, set_to_none in [(1, True), (1, True), (2, True), (2, False), (1, False), (1, True)]:
+        gate.depth = depth
+        before = [model[i].linear.weight.detach().clone() for i in range(4)]
+        model(x).sum().backward()
+        reads.clear()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        per_step.append(len(reads))
+        for i in range(4):  # momentum moves no block that did not learn in this step
+            assert torch.equal(model[i].linear.weight, before[i]) == (i < 4 - depth), (depth, i)
+    # 3 blocks of 2 parameters at first; then block 2 after it learned: the 5th step drops the
+    # zero .grad set_to_none=False left on it, the 6th finds it clean
+    assert per_step == [6, 0, 0, 0, 2, 2]
+    gate.remove()
+

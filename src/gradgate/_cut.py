@@ -96,7 +96,7 @@ class _Cut(BlockHooks, Handle):
         self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
-        self._stale_grads = CutGrads(points, self._shared_ids)
+        self._stale_grads = CutGrads(points, self._shared_ids, self._shares_params)
         self._residual = ResidualPaths()
         self._ddp_checked = False  # at a forward: the process group may start after the gate
         if distributed_running():
@@ -124,6 +124,8 @@ class _Cut(BlockHooks, Handle):
         self, learn: range | frozenset[int] | None, extra: tuple[nn.Module, ...] = ()
     ) -> None:
         self._require_active()
+        if type(learn) is type(self._learn) and learn == self._learn and extra == self._extra:
+            return  # the same plan again (loops set it at every step): its tables stay
         if extra != self._extra:
             self._hooks.discard(self._extra_hooks)
             self._extra_hooks = [

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -78,15 +80,22 @@ class CutGrads:
 
     ``saw(learn, skip, keep)`` is called once per root forward that records a graph, with the
     plan it ran: learning positions (``None``: all), skipped positions, and the ids of the
-    parameters of named learning modules.
+    parameters of named learning modules. A block found with no such gradient is clean until
+    it learns again (its gradients come from the gate's forwards), so a step reads the
+    ``.grad`` of a cut-off block only after it learned; a gradient written by hand on a clean
+    block is the user's. ``sharing`` marks the blocks that share a parameter with another.
     """
 
-    def __init__(self, points: list[tuple[str, nn.Module]], shared: frozenset[int]) -> None:
+    def __init__(
+        self, points: list[tuple[str, nn.Module]], shared: frozenset[int], sharing: list[bool]
+    ) -> None:
         self._blocks = [module for _, module in points]
         self._shared = shared  # tied parameters also used outside the blocks
+        self._sharing = frozenset(i for i, shares in enumerate(sharing) if shares)
         self._plans: list[tuple[Any, ...]] = []
         self._stepped = False
-        self._stale: dict[tuple[tuple[Any, ...], ...], list[nn.Parameter]] = {}  # by plans
+        self._stale: dict[tuple[tuple[Any, ...], ...], _Stale] = {}  # by plans
+        self._clean: set[int] = set()  # blocks found with nothing to drop, not learned since
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -99,9 +108,10 @@ class CutGrads:
         if not plans or plans[-1] != (learn, skip, keep):
             plans.append((learn, skip, keep))
 
-    def _not_learned(self) -> list[nn.Parameter]:
-        """The parameters of the blocks that learned in none of the plans (plans seen at an
-        earlier step: the same answer, the blocks' parameters are not walked again)."""
+    def _not_learned(self) -> _Stale:
+        """The blocks that learned in none of the plans, with their parameters to drop a
+        gradient from (plans seen at an earlier step: the same answer, the blocks' parameters
+        are not walked again)."""
         plans = tuple(self._plans)
         stale = self._stale.get(plans)
         if stale is None:
@@ -110,30 +120,44 @@ class CutGrads:
             stale = self._stale[plans] = self._walk()
         return stale
 
-    def _walk(self) -> list[nn.Parameter]:
+    def _walk(self) -> _Stale:
         learned: set[int] = set()
         keep: set[int] = set(self._shared)
         for learn, skip, extra in self._plans:
             if learn is None:
-                return []
+                return [], frozenset(range(len(self._blocks)))
             learned.update(p for p in learn if p not in skip)
             keep.update(extra)
-        keep.update(id(p) for i in learned for p in self._blocks[i].parameters())
-        return [
-            param
-            for i, block in enumerate(self._blocks)
-            if i not in learned
-            for param in block.parameters()
-            if id(param) not in keep
-        ]
+        learning = {id(p) for i in learned for p in self._blocks[i].parameters()}
+        stale: list[tuple[int, list[nn.Parameter]]] = []
+        unclean = set(learned | self._sharing)  # may get a gradient in these plans' forwards
+        for i, block in enumerate(self._blocks):
+            if i in learned:
+                continue
+            params = list(block.parameters())
+            if any(id(param) in keep for param in params):
+                unclean.add(i)  # holds a named learning module
+            stale.append((i, [p for p in params if id(p) not in keep and id(p) not in learning]))
+        return stale, frozenset(unclean)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         if not self._plans:
             return
-        stale = [p for p in self._not_learned() if p.grad is not None]
-        if stale:
+        stale, unclean = self._not_learned()
+        clean = self._clean
+        clean -= unclean
+        found: list[nn.Parameter] = []
+        for position, params in stale:
+            if position in clean:
+                continue
+            # a loop in C: .grad of every cut-off parameter of a block that may have one
+            with_grad = list(compress(params, map(is_not, map(_GRAD, params), repeat(None))))
+            found += with_grad
+            if not (with_grad or position in unclean):
+                clean.add(position)
+        if found:
             held = _held_by(optimizer)
-            for param in stale:
+            for param in found:
                 if id(param) in held:
                     param.grad = None
 
@@ -144,3 +168,10 @@ class CutGrads:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+# per block not learned: its parameters to drop a gradient from; the blocks never found clean
+_Stale = tuple[list[tuple[int, list[nn.Parameter]]], frozenset[int]]
+
+
+_GRAD = attrgetter("grad")
