@@ -345,3 +345,21 @@ def test_gate_is_exact_with_torch_set_grad_enabled_as_the_grad_mode_setter(
     assert calls and set(calls) == {True, False}
     assert {n.split(".")[2] for n in got if n.startswith("transformer.h.")} == {"2"}
     _assert_equal(got, {name: want[name] for name in got})
+
+
+@pytest.mark.parametrize("read_world", [True, False], ids=["world", "is_initialized"])
+def test_distributed_running_follows_a_process_group_started_later(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, read_world: bool
+) -> None:
+    from gradgate import _block_calls
+
+    if not read_world:
+        monkeypatch.setattr(_block_calls, "_WORLD", None)
+    dist = torch.distributed
+    assert not dist.is_initialized() and not _block_calls.distributed_running()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert _block_calls.distributed_running()
+    finally:
+        dist.destroy_process_group()
+    assert not _block_calls.distributed_running()

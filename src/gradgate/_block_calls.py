@@ -17,7 +17,7 @@ from ._errors import (
     SharedParameterWarning,
     warn,
 )
-from ._torch_internals import maybe_in_backward
+from ._torch_internals import DISTRIBUTED_WORLD, maybe_in_backward
 
 
 def require_a_forward(model: nn.Module) -> None:
@@ -38,12 +38,19 @@ def require_a_forward(model: nn.Module) -> None:
 
 
 def distributed_running() -> bool:
+    if _WORLD is not None:
+        return _WORLD._default_pg is not None
     return _PROCESS_GROUP_STARTED is not None and _PROCESS_GROUP_STARTED()
 
 
 # read at every forward: torch.distributed is available or not for the whole process
 _PROCESS_GROUP_STARTED = (
     torch.distributed.is_initialized if torch.distributed.is_available() else None
+)
+_WORLD = (
+    DISTRIBUTED_WORLD
+    if _PROCESS_GROUP_STARTED is not None and hasattr(DISTRIBUTED_WORLD, "_default_pg")
+    else None
 )
 
 

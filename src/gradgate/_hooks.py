@@ -236,7 +236,9 @@ class HookedForward(_InstanceForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.runs:
             return self.inner(*args, **kwargs)
-        if torch.compiler.is_compiling() or internals.eval_frame_callback():
+        # running, so dynamo skips this frame (internals.SKIPS_FRAMES): is_compiling() would
+        # only read the flag
+        if internals.COMPILER._is_compiling_flag or internals.eval_frame_callback():
             return self.call_hooks(args, kwargs, compiled=True)  # the gate stays out of graphs
         if self._lane is not None:
             return self._lane(self._lane_first, self, args, kwargs)

@@ -46,6 +46,9 @@ TOP_SAVED_HOOKS = _lookup("torch._C._autograd", "_top_saved_tensors_default_hook
 EVAL_FRAME = _lookup("torch._C._dynamo", "eval_frame")
 ENGINE = _lookup("torch.autograd", "Variable", "_execution_engine")
 SET_GRAD = _lookup("torch._C", "_set_grad_enabled")
+# torch.distributed's state: its ``_default_pg`` is what is_initialized() returns through three
+# Python calls (asked at every forward)
+DISTRIBUTED_WORLD = _lookup("torch.distributed.distributed_c10d", "_world")
 # hooks on every module: torch runs a module's own forward hooks inside these
 GLOBAL_MODULE_HOOKS = tuple(
     hooks
@@ -251,6 +254,20 @@ def _callback_unknown() -> bool:
     """Without a way to read dynamo's callback, every eager frame counts as under
     ``torch.compile``: the slower path, exact either way."""
     return True
+
+
+class _AskTorch:
+    """Where ``torch.compiler`` keeps no flag: ask it."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+# ``COMPILER._is_compiling_flag``: what torch.compiler.is_compiling() answers in a frame dynamo
+# does not trace (torch.export's tracing sets it), read with no call: the wrappers' frames ask
+# at every block of every forward, and the function costs two Python calls.
+COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _AskTorch()
 
 
 # dynamo's frame callback set now (falsy outside torch.compile). torch's own builtin, not a
