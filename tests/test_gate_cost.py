@@ -206,6 +206,41 @@ def test_any_sequence_of_plans_is_exact_at_every_step(plans: list[Plan], user_ho
     assert all(p.requires_grad for p in model.parameters())
 
 
+LEARN_SETS = st.frozensets(st.integers(0, 3) | st.sampled_from([f"{i}.linear" for i in range(4)]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.none() | st.integers(0, 4) | LEARN_SETS, st.booleans()), min_size=1, max_size=8
+    )
+)
+def test_momentum_moves_only_the_blocks_that_learned_in_any_sequence_of_steps(
+    steps: list[tuple[int | frozenset[int | str] | None, bool]],
+) -> None:
+    """Stale gradients are dropped whatever came before: plans of every kind (named modules
+    inside blocks too), grads zeroed to None or to zero, blocks found clean at one step and
+    learning at the next."""
+    model = nn.Sequential(*_mlp(), nn.Linear(3, 1))
+    gate = gg.BackpropGate(model, blocks=[str(i) for i in range(4)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x = torch.randn(2, 3)
+    for plan, set_to_none in steps:
+        if isinstance(plan, frozenset):
+            gate.learn = plan
+            learners = {int(str(item)[0]) for item in plan}
+        else:
+            gate.depth = plan
+            learners = set(range(0 if plan is None else 4 - plan, 4))
+        before = [model[i].linear.weight.detach().clone() for i in range(4)]
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        for i in range(4):
+            assert torch.equal(model[i].linear.weight, before[i]) == (i not in learners), (plan, i)
+    gate.remove()
+
+
 def test_a_forward_with_no_backward_keeps_little_for_the_next() -> None:
     """Forwards whose backward never comes (an evaluation with grad on) do not pile up what
     they learned; the next step's frozen blocks still come back."""
@@ -477,4 +512,3 @@ def test_an_optimizer_step_reads_the_gradients_only_of_blocks_that_may_have_one(
     # zero .grad set_to_none=False left on it, the 6th finds it clean
     assert per_step == [6, 0, 0, 0, 2, 2]
     gate.remove()
-

@@ -96,7 +96,7 @@ class _Cut(BlockHooks, Handle):
         self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
-        self._stale_grads = CutGrads(points, self._shared_ids, self._shares_params)
+        self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
         self._ddp_checked = False  # at a forward: the process group may start after the gate
         if distributed_running():

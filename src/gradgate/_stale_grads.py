@@ -83,15 +83,12 @@ class CutGrads:
     parameters of named learning modules. A block found with no such gradient is clean until
     it learns again (its gradients come from the gate's forwards), so a step reads the
     ``.grad`` of a cut-off block only after it learned; a gradient written by hand on a clean
-    block is the user's. ``sharing`` marks the blocks that share a parameter with another.
+    block is the user's.
     """
 
-    def __init__(
-        self, points: list[tuple[str, nn.Module]], shared: frozenset[int], sharing: list[bool]
-    ) -> None:
+    def __init__(self, points: list[tuple[str, nn.Module]], shared: frozenset[int]) -> None:
         self._blocks = [module for _, module in points]
         self._shared = shared  # tied parameters also used outside the blocks
-        self._sharing = frozenset(i for i, shares in enumerate(sharing) if shares)
         self._plans: list[tuple[Any, ...]] = []
         self._stepped = False
         self._stale: dict[tuple[tuple[Any, ...], ...], _Stale] = {}  # by plans
@@ -130,7 +127,7 @@ class CutGrads:
             keep.update(extra)
         learning = {id(p) for i in learned for p in self._blocks[i].parameters()}
         stale: list[tuple[int, list[nn.Parameter]]] = []
-        unclean = set(learned | self._sharing)  # may get a gradient in these plans' forwards
+        unclean = set(learned)  # may get a gradient in these plans' forwards
         for i, block in enumerate(self._blocks):
             if i in learned:
                 continue
@@ -145,7 +142,9 @@ class CutGrads:
             return
         stale, unclean = self._not_learned()
         clean = self._clean
-        clean -= unclean
+        clean -= unclean  # now a subset of the blocks not learned
+        if len(clean) == len(stale):
+            return  # all found with nothing to drop, none learned since: the usual step
         found: list[nn.Parameter] = []
         for position, params in stale:
             if position in clean:
