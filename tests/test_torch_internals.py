@@ -76,6 +76,21 @@ def test_pytree_fallback_gate_and_capture_are_exact(monkeypatch: pytest.MonkeyPa
     _assert_equal(got, {name: want[name] for name in got})
 
 
+@pytest.mark.parametrize("flag", [False, True], ids=["eager", "torch.export-style tracing"])
+def test_compiling_flag_fallback_asks_torch(monkeypatch: pytest.MonkeyPatch, flag: bool) -> None:
+    """Without torch.compiler's flag the wrappers call is_compiling(); either way a gated
+    forward is exact (under the flag its hooks run the way kept out of graphs)."""
+    monkeypatch.setattr(internals, "COMPILER", internals._AskTorch())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: flag)
+    model, batch, loss_fn = models.gpt2(layers=3)
+    want = _plain_grads(model, loss_fn, batch)
+    with gg.backprop_depth(model, 1):
+        loss_fn(model, batch).backward()
+    got = _grads(model)
+    assert got and not any(name.startswith("transformer.h.0.") for name in got)
+    _assert_equal(got, {name: want[name] for name in got})
+
+
 # -- saved tensor hooks ------------------------------------------------------------------------
 def _saved_bytes(x: torch.Tensor) -> tuple[int, int]:
     outer, inner = StorageBytes(), StorageBytes()

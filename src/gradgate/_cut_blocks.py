@@ -145,9 +145,8 @@ class BlockHooks:
             return self._hooked_call(position, wrapper, args, kwargs)
         frame.last_position = position
         frame.ran.add(position)
-        if frame.tentative is not None:  # _close_again's two lines: this runs at every block
-            frame.tentative, frame.opened = None, False
-            internals.set_grad_mode(False)
+        if frame.tentative is not None:
+            self._close_again(frame)
         output = wrapper.inner(*args, **kwargs)
         if frame.blocking and not frame.opened and self._after[position] and frame.call_site:
             self._open_after(frame, position)  # no call site: closed, the gate was removed
