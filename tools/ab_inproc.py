@@ -20,6 +20,7 @@ import argparse
 import copy
 import importlib
 import io
+import random
 import statistics
 import subprocess
 import sys
@@ -97,10 +98,22 @@ def compare(
             statistics.median(t / i for t, i in zip(times[k, depth], ideal, strict=True))
             for k in ("A", "B")
         )
-        cells.append(f"d={depth}: A {a:.3f} B {b:.3f}")
+        pairs = zip(times["A", depth], times["B", depth], strict=True)
+        low, high = interval([time_b / time_a for time_a, time_b in pairs])
+        cells.append(f"d={depth}: A {a:.3f} B {b:.3f} (B/A {low:.3f}-{high:.3f})")
     gate.remove()
     runner.close()
     return f"{name} " + " | ".join(cells)
+
+
+def interval(ratios: list[float], resamples: int = 400) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of per-round ratios: a change whose interval
+    holds 1 is not one this run can see."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def main() -> None:
