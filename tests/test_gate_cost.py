@@ -465,7 +465,7 @@ def test_an_optimizer_step_walks_the_blocks_once_per_set_of_plans(
     walks: list[int] = []
     walk = _stale_grads.CutGrads._walk
 
-    def counted(self: _stale_grads.CutGrads) -> list[nn.Parameter]:
+    def counted(self: _stale_grads.CutGrads) -> _stale_grads._Stale:
         walks.append(len(self._plans))
         return walk(self)
 
