@@ -321,6 +321,38 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
     gate.remove()
 
 
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.parametrize("depth", [0, 2])
+def test_blocks_before_the_cut_open_and_close_it_with_no_call_of_the_cuts_methods(
+    monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """Each block before the cut closes the cut that the one before it opened for now, and opens
+    it for now after itself: at every block of every forward, so the lane does it itself."""
+    model = nn.Sequential(_mlp(6), nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    grads = _plain_grads(copy.deepcopy(model), x)
+    gate = gg.BackpropGate(model, depth=depth, blocks="0.*")
+    calls: list[str] = []
+    for name in ("_open", "_close_again", "_open_after"):
+        method = getattr(gate, name)
+
+        def spy(
+            *args: object, _name: str = name, _method: object = method, **kwargs: object
+        ) -> None:
+            calls.append(_name)
+            _method(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(gate, name, spy)
+    model(x).pow(2).sum().backward()
+    # a learning block's hooks make the opening for now one for good
+    assert calls == ([] if depth == 0 else ["_open"])
+    for i in range(6):
+        grad = model[0][i].linear.weight.grad
+        assert grad is None if i < 6 - depth else torch.equal(grad, grads[f"0.{i}.linear.weight"])
+    assert torch.equal(model[1].weight.grad, grads["1.weight"])
+    gate.remove()
+
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_blocks_before_the_cut_leave_autocasts_cache_alone(
     monkeypatch: pytest.MonkeyPatch, depth: int

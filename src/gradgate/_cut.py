@@ -47,7 +47,7 @@ from ._held import HeldFrozen, Learners, graph_of
 from ._hook_set import HookSet
 from ._hooks import ForwardGuard, GateHook
 from ._plan_key import PlanKey
-from ._plan_tables import first_opener, opens_after, plain_blocks
+from ._plan_tables import first_opener, lane_steps, opens_after
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
@@ -78,9 +78,8 @@ class _Cut(BlockHooks, Handle):
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (per plan)
         self._after: list[bool] = []  # per block, per plan: see _plan_tables
-        self._plain: list[bool] = []
-        self._plain_learner: list[bool] = []
-        self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[bool], list[bool]]] = {}
+        self._steps: list[int] = []
+        self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[int]]] = {}
         self._skip: frozenset[int] = frozenset()
         self._extra: tuple[nn.Module, ...] = ()  # learning modules that are not blocks
         self._keep: frozenset[int] = frozenset()  # ids of their parameters
@@ -168,14 +167,9 @@ class _Cut(BlockHooks, Handle):
                 learn, skip, of = self._learn, self._skip, self._stacks.of
                 first = first_opener(learn, skip, len(self._points))
                 after = opens_after(learn, skip, of, first)
-                named = self._extra_blocks
-                tables = self._tables[key] = (
-                    first,
-                    after,
-                    plain_blocks(learn, skip, named, len(of)),
-                    plain_blocks(learn, skip, named, len(of), learning=True),
-                )
-            self._first, self._after, self._plain, self._plain_learner = tables
+                steps = lane_steps(learn, skip, self._extra_blocks, after, first)
+                tables = self._tables[key] = (first, after, steps)
+            self._first, self._after, self._steps = tables
         return self._first
 
     def _in_backward(self) -> list[bool]:

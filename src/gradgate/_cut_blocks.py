@@ -22,6 +22,7 @@ from ._block_calls import (
 )
 from ._frames import THREAD, Frame, grad_held_off, open_frames
 from ._hooks import HookedForward
+from ._plan_tables import HOOKED, LEARNER, OPENS_GAP, PREFIX
 from ._stacks import Stacks
 
 GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
@@ -39,8 +40,7 @@ class BlockHooks:
     _skip: frozenset[int]
     _first: int | None
     _after: list[bool]
-    _plain: list[bool]
-    _plain_learner: list[bool]
+    _steps: list[int]
     _keep: frozenset[int]
     _gap_keep: frozenset[int]
     _gap_modules: set[int]
@@ -116,40 +116,54 @@ class BlockHooks:
             frame.frozen[position] = freeze_for_call(module, self._keep)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
-        """A block's call, the usual way: in order (starting its stack), nothing to change. Before
-        the cut its hooks would only note it ran, and open the cut for now after it; after the
-        first learner (which opened the cut and had its output checked), a learner's would only
-        note it ran. Else its hooks run around it. One function: this runs at every block of
-        every forward."""
+        """A block's call, the usual way: in order, with its step in the plan's table (see
+        _plan_tables.lane_steps). Before the cut its hooks would only note it ran, close the cut
+        if it opened for now, and open it for now after the block; after the first learner
+        (which opened the cut and had its output checked), a learner's would only note it ran.
+        Else its hooks run around it. One function: this runs at every block of every forward,
+        so it also closes and opens the cut itself where one frame runs (see _close_again and
+        _open)."""
         if self._first is None:
             self._first_opener()
+        step = self._steps[position]
         frames = getattr(THREAD, "frames", ())
         frame = frames[-1] if frames else None
         if (
-            frame is None
+            step == HOOKED
+            or frame is None
             or frame.gate is not self
             or position != frame.last_position + 1
             or frame.gap_calls
             or self.prefix_mode != "keep"
         ):
             return self._hooked_call(position, wrapper, args, kwargs)
-        if self._stacks.of[position] not in frame.stacks_ran:  # the first block of its stack
+        if self._stacks.starts[position]:
             self._stacks.start(frame, position, planned=self._learn is not None)
-        if frame.opened and frame.tentative is None:  # after the cut
-            if not (self._plain_learner[position] and frame.checked):
+        after_cut = frame.opened and frame.tentative is None
+        if step == LEARNER:
+            if not (after_cut and frame.checked):  # the first learner checks its output
                 return self._hooked_call(position, wrapper, args, kwargs)
             frame.last_position = position
             frame.ran.add(position)
             return wrapper.inner(*args, **kwargs)
-        if not self._plain[position]:
+        if after_cut:  # a block before the cut running after it is frozen for the call
             return self._hooked_call(position, wrapper, args, kwargs)
         frame.last_position = position
         frame.ran.add(position)
-        if frame.tentative is not None:
-            self._close_again(frame)
+        if frame.tentative is not None:  # close the cut again
+            frame.tentative, frame.opened = None, False
+            internals.set_grad_mode(False)
         output = wrapper.inner(*args, **kwargs)
-        if frame.blocking and not frame.opened and self._after[position] and frame.call_site:
-            self._open_after(frame, position)  # no call site: closed, the gate was removed
+        if step != PREFIX and frame.blocking and not frame.opened and frame.call_site:
+            # open the cut for now (no call site: closed, the gate was removed)
+            frame.tentative = position
+            if len(frames) == 1 and not (frame.training or frame.block_training):
+                frame.opened = True
+                internals.set_grad_mode(True)
+            else:
+                self._open(frame, for_now=True)
+            if step == OPENS_GAP and GAP not in frame.frozen:
+                self._freeze_gap(frame)
         return output
 
     def _hooked_call(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
@@ -197,8 +211,12 @@ class BlockHooks:
         frame.tentative = position
         self._open(frame, for_now=True)
         if position < self._first_opener() < len(self._points) and GAP not in frame.frozen:
-            # grad on for checkpoint(), yet the code before the learner records nothing
-            frame.frozen[GAP] = freeze_for_call(self._model, self._gap_keep, around=self._block_ids)
+            self._freeze_gap(frame)
+
+    def _freeze_gap(self, frame: Frame) -> None:
+        """Grad is on between the blocks (for checkpoint()), yet the code before the first
+        learner records nothing."""
+        frame.frozen[GAP] = freeze_for_call(self._model, self._gap_keep, around=self._block_ids)
 
     def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
         """What runs now learns: the code between the blocks is no longer frozen, and unless

@@ -42,22 +42,40 @@ def opens_after(
     return [not (p in learn and p not in skip) and of == stack for p, of in enumerate(stack_of)]
 
 
-def plain_blocks(
+# what the block lane does with a block called in order (see _cut_blocks.BlockHooks._block_lane)
+HOOKED = 0  # its hooks run around it
+PREFIX = 1  # before the cut: note that it ran
+OPENS = 2  # and open the cut for now after it
+OPENS_GAP = 3  # and also freeze the code between it and the first learner
+LEARNER = 4  # after the cut: note that it ran
+
+
+def lane_steps(
     learn: Collection[int] | None,
     skip: Collection[int],
     named_inside: Collection[int],
-    n: int,
-    *,
-    learning: bool = False,
-) -> list[bool]:
-    """Per block of ``n``: it does not learn (it learns, with ``learning``), is not skipped,
-    and holds no named learning module. Run in order before the cut (after it, with
-    ``learning``), its hooks only note it ran (and close the cut again if it opened for now).
+    after: list[bool],
+    first: int,
+) -> list[int]:
+    """Per block: what the lane does with a call in order. A block that is skipped or holds a
+    named learning module always has its hooks run; a learner is ``LEARNER``; a block that does
+    not learn is ``PREFIX``, or opens the cut for now after it (``after``, see opens_after), with
+    the code up to the first learner ``first`` frozen when that learner is a block.
 
-    >>> plain_blocks(range(3, 5), {1}, set(), 5)
-    [True, False, True, False, False]
-    >>> plain_blocks(range(3, 5), {1}, set(), 5, learning=True)
-    [False, False, False, True, True]
+    >>> lane_steps(range(3, 5), {1}, set(), [True, True, True, False, False], 3)
+    [3, 0, 3, 4, 4]
+    >>> lane_steps(None, set(), {1}, [True, True, True], 3)
+    [2, 0, 2]
     """
-    learn = learn or ()
-    return [(p in learn) == learning and not (p in skip or p in named_inside) for p in range(n)]
+    learn, n = learn or (), len(after)
+    steps = []
+    for position, opens in enumerate(after):
+        if position in skip or position in named_inside:
+            steps.append(HOOKED)
+        elif position in learn:
+            steps.append(LEARNER)
+        elif opens:
+            steps.append(OPENS_GAP if position < first < n else OPENS)
+        else:
+            steps.append(PREFIX)
+    return steps

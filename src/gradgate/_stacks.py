@@ -23,6 +23,8 @@ class Stacks:
         self.names = [name.rpartition(".")[0] for name, _ in points]
         ids = {stack: i for i, stack in enumerate(dict.fromkeys(self.names))}
         self.of = [ids[stack] for stack in self.names]
+        # per block: the first of its stack (run in order, it is the one that starts the stack)
+        self.starts = [p == 0 or self.of[p] != self.of[p - 1] for p in range(len(self.of))]
         self.outside = outside_modules(model, points)
         self._owner = {id(m): ("block", i) for i, (_, b) in enumerate(points) for m in b.modules()}
         self._owner |= {
