@@ -52,7 +52,6 @@ def measured_peak(model: torch.nn.Module, ids: torch.Tensor, depth: int) -> int:
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-    del optimizer
     return peak
 
 
