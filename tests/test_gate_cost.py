@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+from typing import Any
 
 import models
 import pytest
@@ -351,6 +353,90 @@ def test_blocks_before_the_cut_open_and_close_it_with_no_call_of_the_cuts_method
         assert grad is None if i < 6 - depth else torch.equal(grad, grads[f"0.{i}.linear.weight"])
     assert torch.equal(model[1].weight.grad, grads["1.weight"])
     gate.remove()
+
+
+def _gate_bytecodes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytecode instructions run in gradgate's own code during one forward (deterministic for a
+    Python version, unlike its time on a shared machine)."""
+    count = 0
+
+    def trace(frame: Any, event: str, arg: object) -> Any:
+        nonlocal count
+        if "gradgate" not in frame.f_code.co_filename:
+            return None
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+
+        def each(frame: Any, event: str, arg: object) -> Any:
+            nonlocal count
+            count += event == "opcode"
+            return each
+
+        return each
+
+    sys.settrace(trace)
+    try:
+        model(x)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+class _Embedded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Linear(3, 3), _mlp(4), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.parametrize("depth", [0, 1, 4])
+def test_an_embedding_and_a_head_run_with_no_call_of_their_hook(
+    monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """Under a depth an outside module's hook only takes note that it ran (it opens the cut only
+    after a stack LayerDrop skipped, and freezes only for a learning set)."""
+    model = _Embedded()
+    x = torch.randn(2, 3)
+    reference = copy.deepcopy(model)
+    reference(x).pow(2).sum().backward()
+    calls: list[int] = []
+    enter_outside = _cut_module._Cut._enter_outside
+
+    def spy(self: object, index: int, *args: object) -> None:
+        calls.append(index)
+        enter_outside(self, index, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_cut_module._Cut, "_enter_outside", spy)  # before the gate binds it
+    gate = gg.BackpropGate(model, depth=depth, blocks="blocks.*")
+    model(x)  # the first forward learns what runs after the stack
+    calls.clear()
+    model(x).pow(2).sum().backward()
+    assert calls == []
+    for name, param in model.named_parameters():
+        expected = dict(reference.named_parameters())[name].grad
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        learns = name.startswith("head") or (block is not None and block >= 4 - depth)
+        assert torch.equal(param.grad, expected) if learns else param.grad is None
+    gate.remove()
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
+@pytest.mark.parametrize("depth", [0, 1])
+def test_a_block_before_the_cut_costs_the_gate_few_bytecodes(depth: int) -> None:
+    """The lane runs at every block of every forward: what one more block before the cut adds to
+    a forward, in gradgate's bytecode (172 at depth 0 and 196 at depth 1 before this budget)."""
+    x = torch.randn(2, 3)
+    counts = []
+    for n in (4, 12):
+        model = nn.Sequential(_mlp(n), nn.Linear(3, 3))
+        gate = gg.BackpropGate(model, depth=depth, blocks="0.*")
+        model(x)
+        counts.append(_gate_bytecodes(model, x))
+        gate.remove()
+    assert (counts[1] - counts[0]) / 8 <= 150
 
 
 @pytest.mark.parametrize("depth", [0, 1])

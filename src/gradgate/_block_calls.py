@@ -76,9 +76,10 @@ def freeze_for_call(
                 param.requires_grad_(False)
                 frozen.append(param)
         for child in current._modules.values():
-            if child is not None and id(child) not in seen and id(child) not in around:
-                seen.add(id(child))
-                modules.append(child)
+            if child is None or id(child) in around or id(child) in seen:
+                continue
+            seen.add(id(child))
+            modules.append(child)
     return frozen
 
 

@@ -108,7 +108,8 @@ class _Cut(BlockHooks, Handle):
             lane = (self._block_lane, position)
             self._hooks.around(module, enter, exit, prepend=True, lane=lane)
         for index, module in enumerate(self._stacks.outside):
-            self._hooks.around(module, GateHook(self, "_enter_outside", index))
+            enter = GateHook(self, "_enter_outside", index)
+            self._hooks.around(module, enter, lane=(self._outside_lane, index))
         for index, (_, owners) in enumerate(self._shared):
             for owner in owners:
                 self._hooks.around(owner, GateHook(self, "_use_shared", index))
@@ -136,6 +137,9 @@ class _Cut(BlockHooks, Handle):
             self._gap_keep = self._keep | self._in_blocks
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra, self._first = learn, extra, None
+        for frame in open_frames():  # set during its forward: the hooks read the new tables
+            if frame.gate is self:
+                frame.lane = None
         self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
@@ -219,7 +223,12 @@ class _Cut(BlockHooks, Handle):
             self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
-        if blocking and self.prefix_mode != "keep":
+        frame.single = len(open_frames()) == 1
+        if self.prefix_mode == "keep":
+            if self._first is None:
+                self._first_opener()  # the plan's tables, which the lane reads
+            frame.lane = self
+        elif blocking:
             frame.training = self._set_prefix_mode(self._model)
         if blocking:
             internals.set_grad_mode(False)

@@ -94,6 +94,7 @@ class BlockHooks:
         if frame.gap_calls:
             self._gap_modules.update(frame.gap_calls)  # these ran between blocks
             frame.gap_calls.clear()
+            frame.lane = self if self.prefix_mode == "keep" else None
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.tentative is not None:
@@ -116,55 +117,49 @@ class BlockHooks:
             frame.frozen[position] = freeze_for_call(module, self._keep)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
-        """A block's call, the usual way: in order, with its step in the plan's table (see
-        _plan_tables.lane_steps). Before the cut its hooks would only note it ran, close the cut
-        if it opened for now, and open it for now after the block; after the first learner
-        (which opened the cut and had its output checked), a learner's would only note it ran.
-        Else its hooks run around it. One function: this runs at every block of every forward,
-        so it also closes and opens the cut itself where one frame runs (see _close_again and
-        _open)."""
-        if self._first is None:
-            self._first_opener()
-        step = self._steps[position]
-        frames = getattr(THREAD, "frames", ())
-        frame = frames[-1] if frames else None
-        if (
-            step == HOOKED
-            or frame is None
-            or frame.gate is not self
-            or position != frame.last_position + 1
-            or frame.gap_calls
-            or self.prefix_mode != "keep"
-        ):
+        """A block's call, the usual way: in order, in a frame the lane may take (see
+        Frame.lane), with its step in the plan's table (see _plan_tables.lane_steps). Before the
+        cut its hooks would only note it ran, close the cut if it opened for now, and open it for
+        now after the block; after the first learner (which opened the cut and had its output
+        checked), a learner's would only note it ran. Else its hooks run around it. One
+        function: this runs at every block of every forward, so it also closes and opens the cut
+        itself in a thread's only frame (see _close_again and _open)."""
+        try:
+            frame = THREAD.frames[-1]
+        except (AttributeError, IndexError):  # no gated forward runs in this thread
             return self._hooked_call(position, wrapper, args, kwargs)
-        if self._stacks.starts[position]:
-            self._stacks.start(frame, position, planned=self._learn is not None)
-        after_cut = frame.opened and frame.tentative is None
-        if step == LEARNER:
-            if not (after_cut and frame.checked):  # the first learner checks its output
-                return self._hooked_call(position, wrapper, args, kwargs)
+        if frame.lane is not self or position != frame.last_position + 1:
+            return self._hooked_call(position, wrapper, args, kwargs)
+        step = self._steps[position]  # the root's enter made the plan's tables
+        if step > LEARNER:  # before the cut
+            if frame.opened:
+                if frame.tentative is None:  # running after the cut: frozen for the call
+                    return self._hooked_call(position, wrapper, args, kwargs)
+                frame.tentative, frame.opened = None, False  # close the cut again
+                internals.set_grad_mode(False)
+            if self._stacks.starts[position]:
+                self._stacks.start(frame, position, planned=self._learn is not None)
             frame.last_position = position
             frame.ran.add(position)
-            return wrapper.inner(*args, **kwargs)
-        if after_cut:  # a block before the cut running after it is frozen for the call
-            return self._hooked_call(position, wrapper, args, kwargs)
+            output = wrapper.inner(*args, **kwargs)
+            if step > PREFIX and frame.blocking and not frame.opened and frame.call_site:
+                # open the cut for now (no call site: closed, the gate was removed)
+                frame.tentative = position
+                if frame.single:
+                    frame.opened = True
+                    internals.set_grad_mode(True)
+                else:
+                    self._open(frame, for_now=True)
+                if step == OPENS_GAP and GAP not in frame.frozen:
+                    self._freeze_gap(frame)
+            return output
+        if step == HOOKED or not (frame.checked and frame.opened) or frame.tentative is not None:
+            return self._hooked_call(position, wrapper, args, kwargs)  # the first learner checks
+        if self._stacks.starts[position]:
+            self._stacks.start(frame, position, planned=True)
         frame.last_position = position
         frame.ran.add(position)
-        if frame.tentative is not None:  # close the cut again
-            frame.tentative, frame.opened = None, False
-            internals.set_grad_mode(False)
-        output = wrapper.inner(*args, **kwargs)
-        if step != PREFIX and frame.blocking and not frame.opened and frame.call_site:
-            # open the cut for now (no call site: closed, the gate was removed)
-            frame.tentative = position
-            if len(frames) == 1 and not (frame.training or frame.block_training):
-                frame.opened = True
-                internals.set_grad_mode(True)
-            else:
-                self._open(frame, for_now=True)
-            if step == OPENS_GAP and GAP not in frame.frozen:
-                self._freeze_gap(frame)
-        return output
+        return wrapper.inner(*args, **kwargs)
 
     def _hooked_call(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
         """The block's call with its hooks around it (its only gate hooks: the lane's pair)."""
@@ -247,6 +242,7 @@ class BlockHooks:
         frame.outside_calls.append((index, len(frame.stacks_ran)))
         if GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
             frame.gap_calls.append(index)
+            frame.lane = None  # the next block's hooks take note of it
             if index not in self._gap_modules:
                 self._end_gap(frame, frame.tentative)
         if frame.blocking and not frame.opened:
@@ -261,6 +257,28 @@ class BlockHooks:
             and not self._stacks.runs_after_last(frame, index)
         ):
             frame.held.extend(freeze_for_call(module, self._keep | self._shared_ids))
+
+    def _outside_lane(self, index: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
+        """An outside module's call, the usual way: its hook would only take note that it ran,
+        with the cut open (for now too) under a depth (no learning set to freeze it for), or
+        before the cut when no forward has seen it run after a stack (so it cannot be where the
+        cut opens after a stack LayerDrop skipped). Else its hook runs (see _enter_outside)."""
+        try:
+            frame = THREAD.frames[-1]
+        except (AttributeError, IndexError):  # no gated forward runs in this thread
+            return wrapper.call_hooks(args, kwargs)
+        if (
+            frame.lane is self
+            and GAP not in frame.frozen
+            and (
+                type(self._learn) is not frozenset
+                if frame.opened
+                else index not in self._stacks.after_some
+            )
+        ):
+            frame.outside_calls.append((index, len(frame.stacks_ran)))
+            return wrapper.inner(*args, **kwargs)
+        return wrapper.call_hooks(args, kwargs)
 
     def _use_shared(self, index: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()

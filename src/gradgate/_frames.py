@@ -87,6 +87,10 @@ class Frame:
     checked: bool = False  # the first learning block's output was checked
     explained: bool = False  # a warning already said why the output may have no graph
     shared_uses: dict[int, dict[bool, nn.Module]] = field(default_factory=dict)  # by opened
+    # the gate whose block lane may take this frame's blocks (see _cut_blocks): unset while an
+    # outside module that ran before the learner waits for the next block's hooks
+    lane: Any = None
+    single: bool = False  # the only frame in its thread: opening the cut is turning grad on
 
 
 def grad_held_off() -> bool:
@@ -123,7 +127,7 @@ def close_frame(frame: Frame) -> None:
     elif frame.blocking and frame.opened and not torch.is_grad_enabled() and frame.grad_before:
         internals.set_grad_mode(True)
         warn_lost_grad_mode()
-    frame.call_site = None
+    frame.call_site = frame.lane = None
 
 
 def set_prefix_mode(

@@ -67,7 +67,7 @@ class HookSet:
         if exit is not None:
             added.append(_ModuleHook(module, exit, False, {"with_kwargs": True}, off=True))
             wrapper.add(exit, pre=False)
-        if lane is not None and enter is not None and exit is not None:
+        if lane is not None and enter is not None:
             wrapper.add_lane(enter, exit, lane)
         self._hooks += added
         self._entry.update((id(entry.hook), entry) for entry in added)

@@ -181,9 +181,10 @@ class HookedForward(_InstanceForward):
     called as torch calls module hooks (a result that is not ``None`` replaces the args or the
     output). ``runs`` is false while they are module hooks (``hooked``) or off: the wrapper then
     only calls through. Outside ``torch.compile`` it calls the gate's methods directly, not
-    through :class:`GateHook`, or, while its only hooks are the pair added with a lane
-    ``(function, first)``, the lane: ``function(first, wrapper, args, kwargs)`` does what they
-    would, and more cheaply (a bound method, so that calling it from here needs no C frame).
+    through :class:`GateHook`, or, while its only hooks are those added with a lane
+    ``(function, first)`` (an enter and an exit, or an enter alone), the lane:
+    ``function(first, wrapper, args, kwargs)`` does what they would, and more cheaply (a bound
+    method, so that calling it from here needs no C frame).
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -191,7 +192,7 @@ class HookedForward(_InstanceForward):
         self.enter: list[GateHook] = []
         self.exit: list[GateHook] = []
         self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
-        self._lane_for: tuple[GateHook, GateHook] | None = None  # the pair the lane replaces
+        self._lane_for: tuple[GateHook, GateHook | None] | None = None  # what the lane replaces
         self._lane_of_pair: tuple[Any, Any] = (None, None)
         self._lane: Any = None  # the lane's function while the pair are the only hooks
         self._lane_first: Any = None
@@ -202,7 +203,7 @@ class HookedForward(_InstanceForward):
         hooks.insert(0 if first else len(hooks), hook)
         self._update()
 
-    def add_lane(self, enter: GateHook, exit: GateHook, lane: tuple[Any, Any]) -> None:
+    def add_lane(self, enter: GateHook, exit: GateHook | None, lane: tuple[Any, Any]) -> None:
         """``lane`` takes the place of ``enter`` and ``exit`` while they are the only hooks."""
         self._lane_for, self._lane_of_pair = (enter, exit), lane
         self._update()
@@ -218,8 +219,9 @@ class HookedForward(_InstanceForward):
             [partial(hook.function, *hook.bound) for hook in hooks]
             for hooks in (self.enter, self.exit)
         )
-        only = (self.enter[0], self.exit[0]) if len(self.enter) == len(self.exit) == 1 else None
-        lane = self._lane_of_pair if only and only == self._lane_for else (None, None)
+        hooks = (*self.enter, *self.exit)
+        replaced = tuple(h for h in self._lane_for or () if h is not None)
+        lane = self._lane_of_pair if replaced and hooks == replaced else (None, None)
         self._lane, self._lane_first = lane
 
     def others(self) -> bool:

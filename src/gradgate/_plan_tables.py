@@ -44,10 +44,10 @@ def opens_after(
 
 # what the block lane does with a block called in order (see _cut_blocks.BlockHooks._block_lane)
 HOOKED = 0  # its hooks run around it
-PREFIX = 1  # before the cut: note that it ran
-OPENS = 2  # and open the cut for now after it
-OPENS_GAP = 3  # and also freeze the code between it and the first learner
-LEARNER = 4  # after the cut: note that it ran
+LEARNER = 1  # after the cut: note that it ran
+PREFIX = 2  # before the cut: note that it ran (every step above LEARNER is before the cut)
+OPENS = 3  # and open the cut for now after it
+OPENS_GAP = 4  # and also freeze the code between it and the first learner
 
 
 def lane_steps(
@@ -63,9 +63,9 @@ def lane_steps(
     the code up to the first learner ``first`` frozen when that learner is a block.
 
     >>> lane_steps(range(3, 5), {1}, set(), [True, True, True, False, False], 3)
-    [3, 0, 3, 4, 4]
+    [4, 0, 4, 1, 1]
     >>> lane_steps(None, set(), {1}, [True, True, True], 3)
-    [2, 0, 2]
+    [3, 0, 3]
     """
     learn, n = learn or (), len(after)
     steps = []

@@ -32,6 +32,7 @@ class Stacks:
         }
         self._after: dict[int, set[int]] = {}  # stack -> outside modules seen only after it
         self._before: dict[int, set[int]] = {}
+        self.after_some: set[int] = set()  # outside modules seen after some stack
         self.seen_all = False  # a forward ran every stack: what runs after each is known
         self._learned: tuple[list[int], list[tuple[int, int]]] | None = None  # the last run
 
@@ -87,6 +88,7 @@ class Stacks:
             before = self._before.setdefault(stack, set())
             for index, stacks_ran in frame.outside_calls:
                 (after if order < stacks_ran else before).add(index)
+            self.after_some |= after
 
     def _patterns(self, order: list[int]) -> list[str]:
         patterns: list[str] = []
