@@ -10,8 +10,11 @@ B / ideal::
 
     PYTHONPATH=src python tools/ab_inproc.py --base d42f23c --steps 60
     PYTHONPATH=src python tools/ab_inproc.py --base d42f23c --cycle   # a new depth every step
+    PYTHONPATH=src python tools/ab_inproc.py --base-dir old/src --device cuda --amp bf16
 
-Uses the stdlib, git and torch; the exported copy lives in a temporary folder.
+Uses the stdlib, git and torch; the exported copy lives in a temporary folder. Where there is
+no git (a lent GPU machine gets a copy of the working tree), ``--base-dir`` names a ``src``
+folder exported beforehand (``git archive <commit> src | tar -x -C old``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import copy
 import importlib
 import io
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,26 +41,42 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_NAME = "gradgate_base"
 
 
-def import_base(commit: str, folder: Path) -> Any:
-    """The package ``gradgate`` of ``commit``, imported as ``gradgate_base``."""
-    archive = subprocess.run(
-        ["git", "archive", commit, "src/gradgate"], cwd=ROOT, check=True, capture_output=True
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder, filter="data")
-    (folder / "src" / "gradgate").rename(folder / BASE_NAME)
+def import_base(commit: str | None, folder: Path, exported: Path | None = None) -> Any:
+    """The package ``gradgate`` of ``commit`` (or of the ``src`` folder ``exported``),
+    imported as ``gradgate_base``."""
+    if exported is not None:
+        shutil.copytree(exported / "gradgate", folder / BASE_NAME)
+    else:
+        archive = subprocess.run(
+            ["git", "archive", str(commit), "src/gradgate"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder, filter="data")
+        (folder / "src" / "gradgate").rename(folder / BASE_NAME)
     sys.path.insert(0, str(folder))
     return importlib.import_module(BASE_NAME)
 
 
 def compare(
-    base: Any, name: str, depths: list[int | None], rounds: int, *, cycle: bool = False
+    base: Any,
+    name: str,
+    depths: list[int | None],
+    rounds: int,
+    *,
+    cycle: bool = False,
+    device: torch.device | None = None,
+    amp: str | None = None,
 ) -> str:
     """One model's row: per depth, the medians of A / ideal and B / ideal."""
     from gradgate._bench.catalog import FACTORIES
     from gradgate._bench.methods import Runner
 
-    runner = Runner(FACTORIES[name](size="quick"))
+    device = device or torch.device("cpu")
+    runner = Runner(FACTORIES[name](size="quick", device=device), amp=amp)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model = copy.deepcopy(runner.workload.model)
     gate = base.BackpropGate(model, blocks=runner.workload.blocks)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -88,8 +108,10 @@ def compare(
                 keys = list(steps)[round_ % 3 :] + list(steps)[: round_ % 3]
                 for key in keys:
                     step = steps[key]
+                    sync()
                     start = time.perf_counter()
                     step(depth)
+                    sync()
                     times.setdefault((key, depth), []).append(time.perf_counter() - start)
     cells = []
     for depth in depths:
@@ -118,7 +140,10 @@ def interval(ratios: list[float], resamples: int = 400) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the earlier commit (A)")
+    parser.add_argument("--base", help="the earlier commit (A)")
+    parser.add_argument("--base-dir", type=Path, help="or its exported src folder (no git)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--amp", choices=["bf16"], help="forward under autocast")
     parser.add_argument("--models", default="conv_stack,gpt2,llama,transformer")
     parser.add_argument("--depths", default="0,1,2,3,all")
     parser.add_argument("--steps", type=int, default=60, help="rounds per model and depth")
@@ -126,13 +151,22 @@ def main() -> None:
         "--cycle", action="store_true", help="a new depth at every step (each round: all depths)"
     )
     args = parser.parse_args()
+    if (args.base is None) == (args.base_dir is None):
+        parser.error("give one of --base and --base-dir")
     depths = [None if d == "all" else int(d) for d in args.depths.split(",")]
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
-        base = import_base(args.base, Path(folder))
-        print(f"A = {args.base}, B = this checkout; median of gated / ideal step time per round")
+        base = import_base(args.base, Path(folder), args.base_dir)
+        print(
+            f"A = {args.base or args.base_dir}, B = this checkout; median of gated / ideal step "
+            f"time per round ({args.device}{', ' + args.amp if args.amp else ''})"
+        )
+        device = torch.device(args.device)
         for name in args.models.split(","):
-            print(compare(base, name, depths, args.steps, cycle=args.cycle), flush=True)
+            row = compare(
+                base, name, depths, args.steps, cycle=args.cycle, device=device, amp=args.amp
+            )
+            print(row, flush=True)
 
 
 if __name__ == "__main__":
