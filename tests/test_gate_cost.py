@@ -428,6 +428,10 @@ def test_an_embedding_and_a_head_run_with_no_call_of_their_hook(
 def test_a_block_before_the_cut_costs_the_gate_few_bytecodes(depth: int) -> None:
     """The lane runs at every block of every forward: what one more block before the cut adds to
     a forward, in gradgate's bytecode (172 at depth 0 and 196 at depth 1 before this budget)."""
+    assert _per_block_bytecodes(depth) <= 140
+
+
+def _per_block_bytecodes(depth: int) -> float:
     x = torch.randn(2, 3)
     counts = []
     for n in (4, 12):
@@ -436,7 +440,70 @@ def test_a_block_before_the_cut_costs_the_gate_few_bytecodes(depth: int) -> None
         model(x)
         counts.append(_gate_bytecodes(model, x))
         gate.remove()
-    assert (counts[1] - counts[0]) / 8 <= 150
+    return (counts[1] - counts[0]) / 8
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
+def test_freezing_the_code_between_the_blocks_does_not_walk_them_at_every_forward() -> None:
+    """At depth 1 the code up to the learner is frozen (see test_cut: the gap): what one more
+    block costs stays about what it costs at depth 0 (17 bytecodes more before, 5 now: the lane
+    asks whether the gap is frozen yet)."""
+    assert _per_block_bytecodes(1) - _per_block_bytecodes(0) <= 6
+
+
+class _UsesInTheGap(nn.Module):
+    """Blocks with a parameter and a module used between them, assigned after the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = _mlp(4)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1:
+                x = x * self.scale
+                if hasattr(self, "shift"):
+                    x = self.shift(x)
+        return self.head(x)
+
+
+def test_a_parameter_or_module_assigned_after_the_gate_is_frozen_between_the_blocks() -> None:
+    """What the code between the blocks may use is walked once, and again after a module is
+    assigned there (torch's registration hook, taken off with the gate)."""
+    from torch.nn.modules import module as torch_module
+
+    registered = len(torch_module._global_module_registration_hooks)
+    model = _UsesInTheGap()
+    x = torch.randn(2, 3)
+    gate = gg.BackpropGate(model, depth=1, blocks="blocks.*")
+    model(x).sum().backward()
+    assert model.scale.grad is None
+    model.zero_grad(set_to_none=True)
+    model.scale = nn.Parameter(torch.full((3,), 2.0))
+    model.shift = nn.Linear(3, 3)
+    out = model(x)
+    out.sum().backward()
+    assert model.scale.grad is None and model.shift.weight.grad is None
+    assert model.blocks[3].linear.weight.grad is not None
+    assert model.scale.requires_grad and model.shift.weight.requires_grad  # given back
+    gate.remove()
+    assert len(torch_module._global_module_registration_hooks) == registered
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        h = x
+        for block in reference.blocks[:3]:
+            h = block(h)
+            if block is reference.blocks[1]:
+                h = reference.shift(h * reference.scale)
+    expected = torch.autograd.grad(
+        reference.head(reference.blocks[3](h)).sum(), reference.blocks[3].linear.weight
+    )[0]
+    assert torch.allclose(model.blocks[3].linear.weight.grad, expected)
 
 
 @pytest.mark.parametrize("depth", [0, 1])

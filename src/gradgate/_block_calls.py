@@ -63,23 +63,36 @@ def freeze_for_call(
     module: nn.Module, keep: frozenset[int] = frozenset(), *, around: frozenset[int] = frozenset()
 ) -> list[nn.Parameter]:
     """Freeze a module's trainable parameters for one call, all but those whose id is in keep;
-    submodules whose id is in ``around`` are not entered.
+    submodules whose id is in ``around`` are not entered."""
+    return freeze_in(modules_within(module, around), keep)
 
-    It runs in every forward, so it walks the module dictionaries itself: ``parameters()``
-    costs five times as much (a generator per level, names built and dropped).
+
+def modules_within(module: nn.Module, around: frozenset[int] = frozenset()) -> list[nn.Module]:
+    """A module and its submodules, each once, but those whose id is in ``around`` (and what is
+    inside them).
+
+    It runs in forwards, so it walks the module dictionaries itself: ``modules()`` costs several
+    times as much (a generator per level, names built and dropped).
     """
-    frozen: list[nn.Parameter] = []
     modules, seen = [module], {id(module)}
     for current in modules:  # grows while it is walked
-        for param in current._parameters.values():
-            if param is not None and param.requires_grad and id(param) not in keep:
-                param.requires_grad_(False)
-                frozen.append(param)
         for child in current._modules.values():
             if child is None or id(child) in around or id(child) in seen:
                 continue
             seen.add(id(child))
             modules.append(child)
+    return modules
+
+
+def freeze_in(modules: list[nn.Module], keep: frozenset[int]) -> list[nn.Parameter]:
+    """Freeze the trainable parameters of ``modules`` (their own, not their submodules'), all
+    but those whose id is in ``keep``; returns them, to be given back."""
+    frozen: list[nn.Parameter] = []
+    for module in modules:
+        for param in module._parameters.values():
+            if param is not None and param.requires_grad and id(param) not in keep:
+                param.requires_grad_(False)
+                frozen.append(param)
     return frozen
 
 

@@ -92,6 +92,10 @@ class _Cut(BlockHooks, Handle):
         self._block_ids = frozenset(id(module) for _, module in points)
         self._gap_keep = self._in_blocks  # what the code between the blocks leaves trainable
         self._gap_modules: set[int] = set()  # outside modules seen running between blocks
+        # what the code between the blocks may use (see _freeze_gap): walked again after a
+        # module is assigned to one of them (at every forward, where torch cannot tell)
+        self._gap_walk: list[nn.Module] | None = None
+        self._gap_walked: set[int] = set()  # their ids (kept in place: the hook reads it)
         self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
         self._shares_params = blocks_sharing_parameters(points)
@@ -118,6 +122,7 @@ class _Cut(BlockHooks, Handle):
         enter, exit = GateHook(self, "_enter_root"), GateHook(self, "_exit_root")
         self._guard = ForwardGuard(model, enter, exit, [module for _, module in points])
         self._guard.install()
+        self._assignments = internals.on_module_assignment(self._gap_walked, self._forget_gap)
 
     # -- the plan ------------------------------------------------------------------------------
     def _set_plan(
@@ -292,7 +297,13 @@ class _Cut(BlockHooks, Handle):
             self._warned.add(key)
             warn(message, BlockCallWarning)
 
+    def _forget_gap(self) -> None:
+        self._gap_walk = None
+        self._gap_walked.clear()
+
     def _remove_hooks(self) -> None:
+        if self._assignments is not None:
+            self._assignments.remove()
         for frame in [f for f in open_frames() if f.gate is self]:
             close_frame(frame)
         self._guard.uninstall()

@@ -17,6 +17,8 @@ from ._block_calls import (
     ResidualPaths,
     check_block_output_learns,
     freeze_for_call,
+    freeze_in,
+    modules_within,
     outside_call,
     pass_around,
 )
@@ -44,6 +46,9 @@ class BlockHooks:
     _keep: frozenset[int]
     _gap_keep: frozenset[int]
     _gap_modules: set[int]
+    _gap_walk: list[nn.Module] | None
+    _gap_walked: set[int]
+    _assignments: Any
     _block_ids: frozenset[int]
     _shared_ids: frozenset[int]
     _shares_params: list[bool]
@@ -67,6 +72,9 @@ class BlockHooks:
         raise NotImplementedError
 
     def _warn_once(self, key: str, message: str) -> None:
+        raise NotImplementedError
+
+    def _forget_gap(self) -> None:
         raise NotImplementedError
 
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
@@ -211,7 +219,13 @@ class BlockHooks:
     def _freeze_gap(self, frame: Frame) -> None:
         """Grad is on between the blocks (for checkpoint()), yet the code before the first
         learner records nothing."""
-        frame.frozen[GAP] = freeze_for_call(self._model, self._gap_keep, around=self._block_ids)
+        walk = self._gap_walk
+        if walk is None:
+            walk = modules_within(self._model, self._block_ids)
+            if self._assignments is not None:
+                self._gap_walk = walk
+                self._gap_walked.update(id(module) for module in walk)
+        frame.frozen[GAP] = freeze_in(walk, self._gap_keep)
 
     def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
         """What runs now learns: the code between the blocks is no longer frozen, and unless

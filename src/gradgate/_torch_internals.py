@@ -17,6 +17,7 @@ import copy
 import importlib
 import itertools
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,29 @@ def other_module_hooks(module: torch.nn.Module, own_pre: int, own_post: int) -> 
         or len(module._forward_hooks) > own_post
         or bool(module._backward_hooks or module._backward_pre_hooks)
     )
+
+
+def on_module_assignment(
+    parents: set[int], callback: Callable[[], object]
+) -> RemovableHandle | None:
+    """Have ``callback()`` run whenever a module is assigned to a module whose id is in
+    ``parents`` (a set the caller keeps up to date), until the handle is removed; ``None`` where
+    torch has no such hook. A global registration hook: it runs at every assignment in the
+    process (``ModuleList`` slices in some models' forwards), so it only looks up the id.
+    ``callback`` (a bound method) is held weakly: the hook keeps nothing alive."""
+    register = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+    if register is None:
+        return None
+    method = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+
+    def assigned(parent: Any, name: str, module: Any) -> None:
+        if id(parent) in parents:
+            alive = method()
+            if alive is not None:
+                alive()
+        # None: torch would assign what the hook returns instead
+
+    return register(assigned)  # type: ignore[no-any-return]
 
 
 def hooks_registered() -> int:
