@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import sys
-from typing import Any
 
 import models
 import pytest
@@ -19,6 +18,7 @@ import gradgate as gg
 from gradgate import _cut as _cut_module
 from gradgate import _frames, _plan_tables, _stale_grads
 from gradgate import _torch_internals as internals
+from gradgate._bench.bytecode import count
 from gradgate._hooks import GateHook, HookedForward
 
 
@@ -358,27 +358,8 @@ def test_blocks_before_the_cut_open_and_close_it_with_no_call_of_the_cuts_method
 def _gate_bytecodes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytecode instructions run in gradgate's own code during one forward (deterministic for a
     Python version, unlike its time on a shared machine)."""
-    count = 0
-
-    def trace(frame: Any, event: str, arg: object) -> Any:
-        nonlocal count
-        if "gradgate" not in frame.f_code.co_filename:
-            return None
-        frame.f_trace_opcodes, frame.f_trace_lines = True, False
-
-        def each(frame: Any, event: str, arg: object) -> Any:
-            nonlocal count
-            count += event == "opcode"
-            return each
-
-        return each
-
-    sys.settrace(trace)
-    try:
-        model(x)
-    finally:
-        sys.settrace(None)
-    return count
+    instructions, _ = count(lambda: model(x))
+    return sum(instructions.values())
 
 
 class _Embedded(nn.Module):

@@ -1,0 +1,101 @@
+"""How much of gradgate's own Python one gated training step runs: bytecode instructions and
+calls into C made from gradgate's code, per bench model and depth.
+
+Unlike a step's time on a shared machine, these counts are the same at every run (for one
+Python and one torch), so a change to the gate's hot path shows exactly what it removed;
+compare two checkouts by pointing ``PYTHONPATH`` at each::
+
+    PYTHONPATH=src python -m gradgate._bench.bytecode
+    PYTHONPATH=<other checkout>/src python -m gradgate._bench.bytecode --models gpt2 --depths 0,1
+
+A step is forward, loss, backward, optimizer step and ``zero_grad``, after three warm-up steps
+at the same depth. The benchmark's own modules (``gradgate._bench``) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from collections.abc import Callable
+from functools import partial
+from types import FrameType
+from typing import Any
+
+import torch
+
+
+def _ours(frame: FrameType) -> bool:
+    name = frame.f_code.co_filename
+    return "gradgate" in name and "_bench" not in name
+
+
+def count(step: Callable[[], object]) -> tuple[collections.Counter[str], int]:
+    """Bytecode instructions per gradgate function, and C calls from gradgate's code, in one
+    call of ``step`` (Python's tracer; nothing else may trace meanwhile).
+
+    >>> import gradgate as gg, torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> gate = gg.BackpropGate(model, depth=1)
+    >>> instructions, c_calls = count(lambda: model(torch.ones(1, 2)))
+    >>> instructions["_enter_root"] > 0 and c_calls > 0
+    True
+    >>> gate.remove()
+    """
+    instructions: collections.Counter[str] = collections.Counter()
+    c_calls = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if not _ours(frame):
+            return None
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        name = frame.f_code.co_name
+
+        def each(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                instructions[name] += 1
+            return each
+
+        return each
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal c_calls
+        c_calls += event == "c_call" and _ours(frame)
+
+    sys.settrace(trace)
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    return instructions, c_calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="conv_stack,gpt2,llama,transformer")
+    parser.add_argument("--depths", default="0,1,all")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "quick"])
+    parser.add_argument("--top", type=int, default=4, help="functions named per row")
+    args = parser.parse_args()
+    from .catalog import FACTORIES
+    from .methods import Runner
+
+    depths = [None if d == "all" else int(d) for d in args.depths.split(",")]
+    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, {args.size} sizes")
+    print("model        depth  bytecodes  C calls  most in")
+    for name in args.models.split(","):
+        runner = Runner(FACTORIES[name](size=args.size))
+        for depth in depths:
+            step = partial(runner.step, "gradgate", depth)
+            for _ in range(4):  # three warm-up steps, then the counted one
+                instructions, c_calls = count(step)
+            top = ", ".join(f"{f} {n}" for f, n in instructions.most_common(args.top))
+            total = sum(instructions.values())
+            print(f"{name:12} {depth!s:>5}  {total:9}  {c_calls:7}  {top}")
+        runner.close()
+
+
+if __name__ == "__main__":
+    main()
