@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+from typing import Any
 
 import models
 import pytest
@@ -677,4 +678,50 @@ def test_an_optimizer_step_reads_the_gradients_only_of_blocks_that_may_have_one(
     # 3 blocks of 2 parameters at first; then block 2 after it learned: the 5th step drops the
     # zero .grad set_to_none=False left on it, the 6th finds it clean
     assert per_step == [6, 0, 0, 0, 2, 2]
+    gate.remove()
+
+
+class _ChangesPlanMidway(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.head = _mlp(4), nn.Linear(3, 3)
+        self.midway: Any = None  # called after block `after`
+        self.after = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == self.after and self.midway is not None:
+                self.midway()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("change", ["depth", "skip"])
+def test_a_plan_set_during_a_forward_applies_to_the_blocks_that_run_after_it(change: str) -> None:
+    """The lane reads the tables of the plan its forward started with, until the plan
+    changes: then the blocks after the change follow the new plan."""
+    model = _ChangesPlanMidway()
+    x = torch.randn(2, 3)
+    gate = gg.BackpropGate(model, depth=1 if change == "depth" else 2, blocks="blocks.*")
+    model(x)  # the plan's tables made, the lane taking the blocks
+    if change == "depth":
+        model.midway = lambda: setattr(gate, "depth", 3)
+    else:  # after the first learner, which had its output checked: block 3 takes the lane
+        model.midway, model.after = lambda: setattr(gate, "skip", 3), 2
+    model(x).sum().backward()
+    grads = [model.blocks[i].linear.weight.grad for i in range(4)]
+    if change == "depth":  # blocks 1-3 learn; block 0 ran before the cut
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            h = reference.blocks[0](x)
+        out = reference.head(reference.blocks[3](reference.blocks[2](reference.blocks[1](h))))
+        expected = torch.autograd.grad(
+            out.sum(), [reference.blocks[i].linear.weight for i in (1, 2, 3)]
+        )
+        assert grads[0] is None
+        for got, want in zip(grads[1:], expected, strict=True):
+            assert torch.allclose(got, want)
+    else:  # block 3 skipped: no gradient of its own; block 2 still learns
+        assert grads[:2] == [None, None] and grads[3] is None
+        assert grads[2] is not None
     gate.remove()

@@ -141,10 +141,8 @@ class _Cut(BlockHooks, Handle):
             self._keep = frozenset(id(p) for module in extra for p in module.parameters())
             self._gap_keep = self._keep | self._in_blocks
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
-        self._learn, self._extra, self._first = learn, extra, None
-        for frame in open_frames():  # set during its forward: the hooks read the new tables
-            if frame.gate is self:
-                frame.lane = None
+        self._learn, self._extra = learn, extra
+        self._new_tables()
         self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
@@ -162,6 +160,14 @@ class _Cut(BlockHooks, Handle):
 
     def _planned(self) -> bool:
         return self._learn is not None or bool(self._skip) or bool(self._extra)
+
+    def _new_tables(self) -> None:
+        """The plan changed: its tables are made at the next forward. A forward of this thread
+        running now takes its blocks the hooks' way from here on (they make the tables)."""
+        self._first = None
+        for frame in open_frames():
+            if frame.gate is self:
+                frame.lane = None
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none); the

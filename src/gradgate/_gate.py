@@ -107,7 +107,7 @@ class BackpropGate(_Cut):
             raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.") from None
         positions = self._positions(items, option="skip")
         self._skip = frozenset(positions)
-        self._first = None
+        self._new_tables()
         self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
 
