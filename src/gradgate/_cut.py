@@ -303,10 +303,6 @@ class _Cut(BlockHooks, Handle):
             self._warned.add(key)
             warn(message, BlockCallWarning)
 
-    def _forget_gap(self) -> None:
-        self._gap_walk = None
-        self._gap_walked.clear()
-
     def _remove_hooks(self) -> None:
         if self._assignments is not None:
             self._assignments.remove()

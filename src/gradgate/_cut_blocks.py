@@ -74,9 +74,6 @@ class BlockHooks:
     def _warn_once(self, key: str, message: str) -> None:
         raise NotImplementedError
 
-    def _forget_gap(self) -> None:
-        raise NotImplementedError
-
     def _enter_block(self, position: int, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is None:
@@ -226,6 +223,11 @@ class BlockHooks:
                 self._gap_walk = walk
                 self._gap_walked.update(id(module) for module in walk)
         frame.frozen[GAP] = freeze_in(walk, self._gap_keep)
+
+    def _forget_gap(self) -> None:
+        """A module was assigned to one of those the gap's walk found: walk again."""
+        self._gap_walk = None
+        self._gap_walked.clear()
 
     def _end_gap(self, frame: Frame, tentative: int | None = None) -> None:
         """What runs now learns: the code between the blocks is no longer frozen, and unless

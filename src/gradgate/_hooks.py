@@ -192,7 +192,7 @@ class HookedForward(_InstanceForward):
         self.enter: list[GateHook] = []
         self.exit: list[GateHook] = []
         self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
-        self._lane_for: tuple[GateHook, GateHook | None] | None = None  # what the lane replaces
+        self._lane_for: tuple[GateHook, ...] = ()  # the hooks the lane replaces
         self._lane_of_pair: tuple[Any, Any] = (None, None)
         self._lane: Any = None  # the lane's function while the pair are the only hooks
         self._lane_first: Any = None
@@ -205,13 +205,14 @@ class HookedForward(_InstanceForward):
 
     def add_lane(self, enter: GateHook, exit: GateHook | None, lane: tuple[Any, Any]) -> None:
         """``lane`` takes the place of ``enter`` and ``exit`` while they are the only hooks."""
-        self._lane_for, self._lane_of_pair = (enter, exit), lane
+        self._lane_for = (enter,) if exit is None else (enter, exit)
+        self._lane_of_pair = lane
         self._update()
 
     def drop(self, hook: GateHook) -> None:
         (self.enter if hook in self.enter else self.exit).remove(hook)
-        if self._lane_for is not None and hook in self._lane_for:
-            self._lane_for, self._lane_of_pair = None, (None, None)
+        if hook in self._lane_for:
+            self._lane_for, self._lane_of_pair = (), (None, None)
         self._update()
 
     def _update(self) -> None:
@@ -219,9 +220,8 @@ class HookedForward(_InstanceForward):
             [partial(hook.function, *hook.bound) for hook in hooks]
             for hooks in (self.enter, self.exit)
         )
-        hooks = (*self.enter, *self.exit)
-        replaced = tuple(h for h in self._lane_for or () if h is not None)
-        lane = self._lane_of_pair if replaced and hooks == replaced else (None, None)
+        only_replaced = self._lane_for and (*self.enter, *self.exit) == self._lane_for
+        lane = self._lane_of_pair if only_replaced else (None, None)
         self._lane, self._lane_first = lane
 
     def others(self) -> bool:
