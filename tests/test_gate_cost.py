@@ -283,7 +283,7 @@ def test_with_no_plan_and_the_hooks_off_a_forward_opens_no_frame() -> None:
     model.zero_grad(set_to_none=True)
     gate.depth = 1
     model(x).sum().backward()
-    assert probe.open == [1, 1, 0, 1]
+    assert probe.open == [1, 0, 0, 1]
     assert [model[i].linear.weight.grad is None for i in range(4)] == [True] * 3 + [False]
     gate.remove()
 
@@ -725,3 +725,43 @@ def test_a_plan_set_during_a_forward_applies_to_the_blocks_that_run_after_it(cha
         assert grads[:2] == [None, None] and grads[3] is None
         assert grads[2] is not None
     gate.remove()
+
+
+def _step_bytecodes(n: int, depths: list[int | None]) -> int:
+    """Gradgate's bytecode in one training step (forward, backward, optimizer step, zero_grad)
+    at ``depths[-1]``, after two rounds of steps at each of ``depths``, and one at each of the
+    others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_mlp(n), nn.Linear(3, 3))
+    gate = gg.BackpropGate(model, blocks="0.*")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3)
+
+    def step(depth: int | None) -> None:
+        gate.depth = depth
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for depth in [*depths, *depths, *depths[:-1]]:
+        step(depth)
+    instructions, _ = count(lambda: step(depths[-1]))
+    gate.remove()
+    return sum(instructions.values())
+
+
+@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
+@pytest.mark.parametrize(("before", "depth"), [(None, 0), (0, None), (2, 0)])
+def test_a_step_after_a_step_at_another_depth_costs_little_more_per_block(
+    before: int | None, depth: int | None
+) -> None:
+    """Depths that change at every step (random depths, a bench that interleaves them): what one
+    more block adds to a step after a step at another depth, beyond what it adds at a depth set
+    once. Coming back from no cut (the hooks put back, the cut-off blocks' gradients looked for)
+    cost 70 bytecodes per block before this budget, going to it 18."""
+    per_block = [
+        (_step_bytecodes(12, depths) - _step_bytecodes(4, depths)) / 8
+        for depths in ([before, depth], [depth])
+    ]
+    assert per_block[0] - per_block[1] <= 6, per_block

@@ -30,11 +30,13 @@ class HookSet:
 
     def __init__(self) -> None:
         self._hooks: list[_ModuleHook] = []
+        self._plain: list[_ModuleHook] = []  # those added with pre() and post(): module hooks
         self._wrappers: list[HookedForward] = []
         self._entry: dict[int, _ModuleHook] = {}  # by id of the hook: those of the wrappers
         self.suspended = False
         self._outermost = False  # pre-hooks first, the others last (see outermost)
         self._fitted: int | None = None  # internals.hooks_registered() when fit() last looked
+        self._quiet: int | None = None  # while suspended: see suspend()
 
     def pre(self, module: nn.Module, hook: GateHook, **options: Any) -> None:
         self._add(_ModuleHook(module, hook, True, options)).register(self._outermost, set())
@@ -74,7 +76,7 @@ class HookSet:
         if wrapper.hooked:
             wrapper.hooked = False  # registered again, the new ones in their place
         self._fit(wrapper, internals.global_module_hooks())
-        self._fitted = None
+        self._fitted = self._quiet = None  # the new ones: see fit()
         return added
 
     def discard(self, entries: list[_ModuleHook]) -> None:
@@ -88,13 +90,14 @@ class HookSet:
             if not (wrapper.enter or wrapper.exit):
                 wrapper.uninstall()
                 self._wrappers.remove(wrapper)
-        self._fitted = None
+        self._fitted = self._quiet = None
 
     def _entries(self, wrapper: HookedForward) -> list[_ModuleHook]:
         return [self._entry[id(hook)] for hook in (*wrapper.enter, *wrapper.exit)]
 
     def _add(self, entry: _ModuleHook) -> _ModuleHook:
         self._hooks.append(entry)
+        self._plain.append(entry)
         return entry
 
     def fit(self) -> None:
@@ -131,8 +134,22 @@ class HookSet:
         wrapper.hooked, wrapper.runs = hooked, not hooked
 
     def suspend(self) -> None:
-        """Take every hook off (a module with no hook takes torch's fast path)."""
+        """Take every hook off (a module with no hook takes torch's fast path).
+
+        When fit() found every wrapper running its hooks and no hook was registered since, only
+        the ``pre``/``post`` hooks are registered: a resume() with still none registered puts
+        the wrappers back as they were, with no module looked at (depths that go to ``None``
+        and back at every step).
+        """
+        quiet = self._fitted is not None and self._fitted == internals.hooks_registered()
         self.suspended, self._fitted = True, None
+        self._quiet = internals.hooks_registered() if quiet else None
+        if quiet:  # no wrapper hooked
+            for entry in self._plain:
+                entry.unregister()
+            for wrapper in self._wrappers:
+                wrapper.runs = False
+            return
         for entry in self._hooks:
             entry.unregister()
         for wrapper in self._wrappers:
@@ -141,11 +158,16 @@ class HookSet:
     def resume(self) -> None:
         """Put the hooks back where they were among the module's other hooks."""
         self.suspended = False
+        quiet, self._quiet = self._quiet == internals.hooks_registered(), None
         own: set[int] = set()
-        for entry in self._hooks:
-            if id(entry.hook) not in self._entry:
-                entry.register(self._outermost, own)
-        self.fit()
+        for entry in self._plain:
+            entry.register(self._outermost, own)
+        if not quiet:
+            self.fit()
+            return
+        for wrapper in self._wrappers:
+            wrapper.runs = True
+        self._fitted = internals.hooks_registered()  # the registrations counted are these
 
     def outermost(self) -> None:
         """Run these module hooks around those registered after them, now and when they come
@@ -156,7 +178,7 @@ class HookSet:
             entry.place(outermost=True)
 
     def remove(self) -> None:
-        hooks, self._hooks = self._hooks, []
+        hooks, self._hooks, self._plain = self._hooks, [], []
         wrappers, self._wrappers = self._wrappers, []
         self._entry = {}
         self.suspended = self._outermost = False

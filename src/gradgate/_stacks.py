@@ -79,8 +79,8 @@ class Stacks:
 
     def learn(self, frame: Frame) -> None:
         """Take note of what ran before and after each stack in a forward that completed."""
-        if (frame.stacks_ran, frame.outside_calls) == self._learned:
-            return  # the same run as the last: nothing new
+        if not frame.stacks_ran or (frame.stacks_ran, frame.outside_calls) == self._learned:
+            return  # no stack ran, or the same run as the last: nothing new
         self._learned = (frame.stacks_ran, frame.outside_calls)
         self.seen_all = self.seen_all or len(frame.stacks_ran) == len(set(self.of))
         for order, stack in enumerate(frame.stacks_ran):

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterable
 from itertools import compress, repeat
 from operator import attrgetter, is_not
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -122,11 +122,11 @@ class CutGrads:
         keep: set[int] = set(self._shared)
         for learn, skip, extra in self._plans:
             if learn is None:
-                return [], frozenset(range(len(self._blocks)))
+                return _Stale({}, frozenset(range(len(self._blocks))), [], frozenset())
             learned.update(p for p in learn if p not in skip)
             keep.update(extra)
         learning = {id(p) for i in learned for p in self._blocks[i].parameters()}
-        stale: list[tuple[int, list[nn.Parameter]]] = []
+        stale: dict[int, list[nn.Parameter]] = {}
         unclean = set(learned)  # may get a gradient in these plans' forwards
         for i, block in enumerate(self._blocks):
             if i in learned:
@@ -134,26 +134,30 @@ class CutGrads:
             params = list(block.parameters())
             if any(id(param) in keep for param in params):
                 unclean.add(i)  # holds a named learning module
-            stale.append((i, [p for p in params if id(p) not in keep and id(p) not in learning]))
-        return stale, frozenset(unclean)
+            stale[i] = [p for p in params if id(p) not in keep and id(p) not in learning]
+        every = [param for params in stale.values() for param in params]
+        cleanable = frozenset(stale) - unclean
+        return _Stale(stale, frozenset(unclean), every, cleanable)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         if not self._plans:
             return
-        stale, unclean = self._not_learned()
+        stale, unclean, every, cleanable = self._not_learned()
         clean = self._clean
         clean -= unclean  # now a subset of the blocks not learned
         if len(clean) == len(stale):
             return  # all found with nothing to drop, none learned since: the usual step
-        found: list[nn.Parameter] = []
-        for position, params in stale:
-            if position in clean:
-                continue
-            # a loop in C: .grad of every cut-off parameter of a block that may have one
-            with_grad = list(compress(params, map(is_not, map(_GRAD, params), repeat(None))))
-            found += with_grad
-            if not (with_grad or position in unclean):
-                clean.add(position)
+        if not clean:  # after a step at which they all learned: one pass in C over them all
+            found = _with_grad(every)
+            if not found:
+                clean |= cleanable
+        else:
+            found = []
+            for position in stale.keys() - clean:
+                with_grad = _with_grad(stale[position])
+                found += with_grad
+                if not (with_grad or position in unclean):
+                    clean.add(position)
         if found:
             held = _held_by(optimizer)
             for param in found:
@@ -169,8 +173,18 @@ class CutGrads:
         self._hooks = []
 
 
-# per block not learned: its parameters to drop a gradient from; the blocks never found clean
-_Stale = tuple[list[tuple[int, list[nn.Parameter]]], frozenset[int]]
+class _Stale(NamedTuple):
+    """What the steps after the forwards of some plans look at."""
+
+    blocks: dict[int, list[nn.Parameter]]  # per block not learned: the params to drop from
+    unclean: frozenset[int]  # blocks never found clean
+    every: list[nn.Parameter]  # all the parameters of ``blocks``
+    cleanable: frozenset[int]  # ``blocks``' positions, those in ``unclean`` left out
+
+
+def _with_grad(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Those with a ``.grad``, in a loop in C."""
+    return list(compress(params, map(is_not, map(_GRAD, params), repeat(None))))
 
 
 _GRAD = attrgetter("grad")
