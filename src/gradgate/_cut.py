@@ -208,17 +208,19 @@ class _Cut(BlockHooks, Handle):
         and the hooks off: nothing to set up, nothing to put back)."""
         recover_stale_frames()
         distributed = distributed_running()
-        quiet = self._learn is None and not (
+        if self._learn is None and not (
             self._skip or self._extra or distributed or self._held.params or self._check_ranks
-        )  # no plan: nothing to do but take the hooks off (see _hooks_for_plan)
-        if distributed:
-            self._fsdp.before_forward()
-        if not (quiet and self._hooks.suspended):
-            self._hooks_for_plan(forward=True)  # with no plan, they may come off here
-        if quiet and self._hooks.suspended:
-            if torch.is_grad_enabled():
-                self._stale_grads.saw(self._learn, self._skip, self._keep)
-            return None
+        ):  # no plan: nothing to set up once the hooks are off (see _hooks_for_plan)
+            if not self._hooks.suspended:
+                self._hooks_for_plan(forward=True)
+            if self._hooks.suspended:
+                if torch.is_grad_enabled():
+                    self._stale_grads.saw(self._learn, self._skip, self._keep)
+                return None
+        else:
+            if distributed:
+                self._fsdp.before_forward()
+            self._hooks_for_plan(forward=True)
         if self._held.params and not any(f.gate is self for f in open_frames()):
             self._held.release()  # the last forward had no backward that reached its output
         if distributed and not self._ddp_checked:  # find a DDP wrapper once
