@@ -765,3 +765,20 @@ def test_a_step_after_a_step_at_another_depth_costs_little_more_per_block(
         for depths in ([before, depth], [depth])
     ]
     assert per_block[0] - per_block[1] <= 6, per_block
+
+
+def test_the_bytecode_count_follows_the_bench_from_depth_to_depth(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--cycle`` counts each step after a step at the depth before it: the step at None takes
+    the hooks off, which a step after a step at None does not do."""
+    from gradgate._bench import bytecode
+
+    rows = {}
+    for cycle in (False, True):
+        argv = ["bytecode", "--models", "conv_stack", "--depths", "0,all", "--top", "20"]
+        monkeypatch.setattr(sys, "argv", argv + ["--cycle"] * cycle)
+        bytecode.main()
+        rows[cycle] = capsys.readouterr().out.splitlines()[-1]
+    assert rows[False].split()[:2] == rows[True].split()[:2] == ["conv_stack", "None"]
+    assert "suspend" in rows[True] and "suspend" not in rows[False]

@@ -9,7 +9,9 @@ compare two checkouts by pointing ``PYTHONPATH`` at each::
     PYTHONPATH=<other checkout>/src python -m gradgate._bench.bytecode --models gpt2 --depths 0,1
 
 A step is forward, loss, backward, optimizer step and ``zero_grad``, after three warm-up steps
-at the same depth. The benchmark's own modules (``gradgate._bench``) are not counted.
+at the same depth (with ``--cycle``: after a step at the depth listed before it, as in the
+bench, which interleaves depths). The benchmark's own modules (``gradgate._bench``) are not
+counted.
 """
 
 from __future__ import annotations
@@ -131,6 +133,12 @@ def main() -> None:
     parser.add_argument("--depths", default="0,1,all")
     parser.add_argument("--size", default="tiny", choices=["tiny", "quick"])
     parser.add_argument("--top", type=int, default=4, help="functions named per row")
+    parser.add_argument(
+        "--cycle",
+        action="store_true",
+        help="each counted step follows a step at the depth before it in --depths (as the "
+        "bench interleaves them), not steps at its own depth",
+    )
     args = parser.parse_args()
     from .catalog import FACTORIES
     from .methods import Runner
@@ -140,9 +148,12 @@ def main() -> None:
     print("model        depth  bytecodes  C calls  most in")
     for name in args.models.split(","):
         runner = Runner(FACTORIES[name](size=args.size))
+        for _ in range(3 if args.cycle else 0):
+            for depth in depths:
+                runner.step("gradgate", depth)
         for depth in depths:
             step = partial(runner.step, "gradgate", depth)
-            for _ in range(4):  # three warm-up steps, then the counted one
+            for _ in range(1 if args.cycle else 4):  # warm-up steps, then the counted one
                 instructions, c_calls = count(step)
             top = ", ".join(f"{f} {n}" for f, n in instructions.most_common(args.top))
             total = sum(instructions.values())
