@@ -141,9 +141,9 @@ class HookSet:
         the wrappers back as they were, with no module looked at (depths that go to ``None``
         and back at every step).
         """
-        quiet = self._fitted is not None and self._fitted == internals.hooks_registered()
-        self.suspended, self._fitted = True, None
-        self._quiet = internals.hooks_registered() if quiet else None
+        fitted, self._fitted, self.suspended = self._fitted, None, True
+        quiet = fitted is not None and fitted == internals.hooks_registered()
+        self._quiet = fitted if quiet else None
         if quiet:  # no wrapper hooked
             for entry in self._plain:
                 entry.unregister()
