@@ -59,12 +59,9 @@ def has_graph(output: Any) -> bool:
     return not tensors or any(t.requires_grad for t in tensors)
 
 
-def freeze_for_call(
-    module: nn.Module, keep: frozenset[int] = frozenset(), *, around: frozenset[int] = frozenset()
-) -> list[nn.Parameter]:
-    """Freeze a module's trainable parameters for one call, all but those whose id is in keep;
-    submodules whose id is in ``around`` are not entered."""
-    return freeze_in(modules_within(module, around), keep)
+def freeze_for_call(module: nn.Module, keep: frozenset[int] = frozenset()) -> list[nn.Parameter]:
+    """Freeze a module's trainable parameters for one call, all but those whose id is in keep."""
+    return freeze_in(modules_within(module), keep)
 
 
 def modules_within(module: nn.Module, around: frozenset[int] = frozenset()) -> list[nn.Module]:
