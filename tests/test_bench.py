@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import resource
 import subprocess
@@ -236,15 +237,32 @@ def test_methods_train_exactly_the_suffix(name: str, amp: str | None) -> None:
 def test_gradgate_gradients_equal_the_ideal_under_bf16_autocast() -> None:
     runner = Runner(FACTORIES["transformer"](size="tiny", n=3), amp="bf16")
     try:
-        runner.gated.load_state_dict(runner.model.state_dict())
+        ideal = runner.model_for("ideal")
+        runner.gated.load_state_dict(ideal.state_dict())
         runner.step("gradgate", 1, keep_grads=True)
         runner.step("ideal", 1, keep_grads=True)
         gated = dict(runner.gated.named_parameters())
-        for name, param in runner.model.named_parameters():
+        for name, param in ideal.named_parameters():
             if param.grad is None:
                 assert gated[name].grad is None, name
             else:
                 torch.testing.assert_close(gated[name].grad, param.grad, msg=name)
+    finally:
+        runner.close()
+
+
+def test_every_method_trains_a_copy_of_its_own() -> None:
+    """The rounds interleave the methods: one that shared a copy would find its weights in the
+    cache, warmed by another method's step."""
+    runner = Runner(FACTORIES["conv_stack"](size="tiny", n=2))
+    try:
+        for method in METHODS:
+            before = {m: [p.clone() for p in runner.model_for(m).parameters()] for m in METHODS}
+            runner.step(method, 0)
+            for other in METHODS:
+                after = zip(runner.model_for(other).parameters(), before[other], strict=True)
+                changed = any(not torch.equal(a, b) for a, b in after)
+                assert changed == (other == method), (method, other)
     finally:
         runner.close()
 
@@ -264,6 +282,23 @@ def test_configurations_measure_full_once() -> None:
     assert pairs.count(("full", None)) == 1
     assert ("toggle", None) not in pairs
     assert ("gradgate", None) in pairs
+
+
+def test_no_configuration_always_follows_the_same_one() -> None:
+    """A step's time depends on the step before it: the timed rounds vary who runs before whom
+    (a rotated fixed order put toggle before gradgate and gradgate before the ideal at every
+    depth, in every round)."""
+    from gradgate._bench.run import round_order
+
+    configs = configurations([0, 3, None])
+    before: dict[tuple[str, object], set[tuple[str, object]]] = {c: set() for c in configs}
+    for round_ in range(9):  # gradgate bench --quick's repeats
+        order = round_order(configs, round_)
+        assert sorted(order, key=str) == sorted(configs, key=str)
+        for previous, config in itertools.pairwise(order):
+            before[config].add(previous)
+    assert all(len(previous) >= 3 for previous in before.values()), before
+    assert round_order(configs, 4) == round_order(configs, 4)  # the same at every run
 
 
 # -- the table and the JSON ----------------------------------------------------------------------

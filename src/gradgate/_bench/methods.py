@@ -6,7 +6,11 @@
 * ``gradgate``: a :class:`gradgate.BackpropGate` whose ``depth`` is set every step;
 * ``ideal``: the hand-written prefix under ``torch.no_grad()``, then the suffix.
 
-``gradgate`` runs on its own copy of the model so that its hooks never touch the others.
+Every method trains its own copy of the model (``gradgate``'s also keeps its hooks away from
+the others): the rounds interleave the methods, and a method sharing a copy would find weights
+in the cache that another method's step had just used (``tools/bench_aa.py``,
+``benchmarks/RESULTS.md``).
+
 With ``amp`` set, every method runs its forward and loss under ``torch.autocast`` (the
 backward and the optimizer step outside it, as usual); the parameters stay float32.
 """
@@ -46,17 +50,24 @@ def configurations(depths: list[Depth]) -> list[tuple[str, Depth]]:
 
 
 class Runner:
-    """Holds a workload's plain model, a gated copy, their optimizers; runs steps."""
+    """Holds a workload's model, a copy per other method (the gated one among them), their
+    optimizers; runs steps."""
 
     def __init__(self, workload: Workload, *, lr: float = 1e-4, amp: str | None = None) -> None:
         self.workload = workload
         self.amp = amp
-        self.model = workload.model
-        self.gated = copy.deepcopy(workload.model)
+        self.model = workload.model  # full backprop's
+        self._models = {
+            method: self.model if method == "full" else copy.deepcopy(workload.model)
+            for method in METHODS
+        }
+        self.gated = self._models["gradgate"]
         self.gate = gg.BackpropGate(self.gated, blocks=workload.blocks)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.gated_optimizer = torch.optim.SGD(self.gated.parameters(), lr=lr)
-        self._prefix: dict[Depth, list[torch.Tensor]] = {}
+        self._optimizers = {
+            method: torch.optim.SGD(model.parameters(), lr=lr)
+            for method, model in self._models.items()
+        }
+        self._prefix: dict[tuple[int, Depth], list[torch.Tensor]] = {}
         self._steps: dict[str, Callable[[Depth, Callable[[torch.Tensor], None]], None]] = {
             "full": self._full,
             "late-freeze": self._late_freeze,
@@ -67,13 +78,16 @@ class Runner:
 
     def model_for(self, method: str) -> nn.Module:
         """The model instance a method trains."""
-        return self.gated if method == "gradgate" else self.model
+        return self._models[method]
 
-    def prefix(self, depth: Depth) -> list[torch.Tensor]:
-        """The parameters that must not learn at this depth (computed once per depth)."""
-        if depth not in self._prefix:
-            self._prefix[depth] = self.workload.prefix_parameters(self.model, depth)
-        return self._prefix[depth]
+    def prefix(self, depth: Depth, model: nn.Module | None = None) -> list[torch.Tensor]:
+        """The parameters of ``model`` (full backprop's by default) that must not learn at this
+        depth (computed once per model and depth)."""
+        model = self.model if model is None else model
+        key = (id(model), depth)
+        if key not in self._prefix:
+            self._prefix[key] = self.workload.prefix_parameters(model, depth)
+        return self._prefix[key]
 
     def step(
         self,
@@ -91,7 +105,7 @@ class Runner:
         self._steps[method](depth, run_backward)
         if keep_grads:
             return
-        optimizer = self.gated_optimizer if method == "gradgate" else self.optimizer
+        optimizer = self._optimizers[method]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -118,8 +132,9 @@ class Runner:
         backward(self.loss(self.model))
 
     def _late_freeze(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        loss = self.loss(self.model)
-        prefix = self.prefix(depth)
+        model = self._models["late-freeze"]
+        loss = self.loss(model)
+        prefix = self.prefix(depth, model)
         for param in prefix:
             param.requires_grad_(False)
         try:
@@ -129,13 +144,14 @@ class Runner:
                 param.requires_grad_(True)
 
     def _toggle(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        frozen = {id(param) for param in self.prefix(depth)}
-        for param in self.model.parameters():
+        model = self._models["toggle"]
+        frozen = {id(param) for param in self.prefix(depth, model)}
+        for param in model.parameters():
             param.requires_grad_(id(param) not in frozen)
         try:
-            backward(self.loss(self.model))
+            backward(self.loss(model))
         finally:
-            for param in self.model.parameters():
+            for param in model.parameters():
                 param.requires_grad_(True)
 
     def _gradgate(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
@@ -143,7 +159,7 @@ class Runner:
         backward(self.loss(self.gated))
 
     def _ideal(self, depth: Depth, backward: Callable[[torch.Tensor], None]) -> None:
-        backward(self.loss(self.model, depth, ideal=True))
+        backward(self.loss(self._models["ideal"], depth, ideal=True))
 
 
 def _plain_backward(loss: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ import datetime
 import gc
 import os
 import platform
+import random
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,8 +88,7 @@ def _bench_model(
             peaks[method, depth] = meter.peak_bytes(_step(runner, method, depth))
             progress.advance(f"{method} depth {depth}: peak memory")
         for round_ in range(options.repeats):
-            shift = round_ % len(configs)  # rotate so no configuration always runs first
-            for method, depth in configs[shift:] + configs[:shift]:
+            for method, depth in round_order(configs, round_):
                 times[method, depth].append(meter.seconds(_step(runner, method, depth)))
                 progress.advance(f"{method} depth {depth}: timed")
     finally:
@@ -105,6 +105,21 @@ def _bench_model(
         }
         for method, depth in configs
     ]
+
+
+def round_order(configs: list[Config], round_: int) -> list[Config]:
+    """The configurations in a new order each round (the same at every run): a step's time
+    depends on the steps before it (their memory and cache traffic), and in a fixed order, even
+    a rotated one, each configuration would always follow the same one.
+
+    >>> round_order(["a", "b", "c"], 0) == round_order(["a", "b", "c"], 0)
+    True
+    >>> sorted(round_order(["a", "b", "c"], 1))
+    ['a', 'b', 'c']
+    """
+    order = list(configs)
+    random.Random(round_).shuffle(order)
+    return order
 
 
 def _step(runner: Runner, method: str, depth: Depth) -> Any:
