@@ -2,8 +2,8 @@
 
 The ``gradgate`` cells run the ideal forward on the gated copy with its gate removed, so every
 ratio gradgate / ideal would be 1 on a perfect machine; what the table reads instead is what the
-bench cannot resolve. ``--shared`` runs the ideal on full backprop's copy, which the late-freeze
-and toggle steps also train (the bench's layout before each method had a copy of its own)::
+bench cannot resolve. ``--shared`` runs the ideal on full backprop's copy instead of its own
+(before, it shared that copy with late-freeze and toggle too)::
 
     PYTHONPATH=src python tools/bench_aa.py --runs 3
     PYTHONPATH=src python tools/bench_aa.py --runs 3 --shared
