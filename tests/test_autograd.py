@@ -3,15 +3,22 @@ observer (no reference cycle, outer hooks kept), and the one module tagger."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import dataclasses
 import gc
 import io
 import pickle
 import weakref
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from measure import forward_and_backward
 from torch import nn
 
@@ -22,6 +29,7 @@ from gradgate._autograd import (
     observe_saved,
     saved_tensors,
     storage_key,
+    tensors_in,
     walk,
 )
 from gradgate._tagging import ModuleTagger
@@ -268,3 +276,60 @@ def test_a_copy_of_a_model_with_containers_keeps_no_hook(how, what) -> None:
     for name, param in plain.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
         torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=0)
+
+
+_Pair = collections.namedtuple("_Pair", "first second")
+
+
+def _nested(tensors: list[torch.Tensor]) -> st.SearchStrategy[Any]:
+    plain = st.one_of(
+        st.sampled_from(tensors), st.none(), st.integers(), st.text(max_size=3), st.just(1.5)
+    )
+    return st.recursive(
+        plain,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.lists(inner, max_size=3).map(tuple),
+            st.dictionaries(st.text(max_size=2), inner, max_size=3),
+            st.dictionaries(st.text(max_size=2), inner, max_size=3).map(collections.OrderedDict),
+            st.tuples(inner, inner).map(lambda pair: _Pair(*pair)),
+        ),
+        max_leaves=12,
+    )
+
+
+_TENSORS = [torch.ones(1), torch.zeros(2), nn.Parameter(torch.ones(3))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_nested(_TENSORS))
+def test_tensors_in_finds_what_the_pytree_finds_in_the_same_order(value: Any) -> None:
+    def by_the_pytree(value: Any) -> list[torch.Tensor]:  # what tensors_in must agree with
+        found = []
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif isinstance(leaf, Mapping):
+                found.extend(by_the_pytree(list(leaf.values())))
+        return found
+
+    assert [id(t) for t in tensors_in(value)] == [id(t) for t in by_the_pytree(value)]
+
+
+def test_tensors_in_opens_a_model_output_and_a_registered_dataclass() -> None:
+    from transformers.modeling_outputs import CausalLMOutput
+
+    logits, loss = torch.ones(2), torch.zeros(1)
+    assert tensors_in([CausalLMOutput(loss=loss, logits=logits), "x"]) == [loss, logits]
+
+    @dataclasses.dataclass
+    class Registered:
+        weight: torch.Tensor
+
+    pytree.register_pytree_node(
+        Registered, lambda r: ([r.weight], None), lambda leaves, _: Registered(*leaves)
+    )
+    try:
+        assert tensors_in({"a": Registered(logits)}) == [logits]
+    finally:
+        pytree._deregister_pytree_node(Registered)

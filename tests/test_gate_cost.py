@@ -783,3 +783,28 @@ def test_the_bytecode_count_follows_the_bench_from_depth_to_depth(
         rows[cycle] = capsys.readouterr().out.splitlines()[-1]
     assert rows[False].split()[:2] == rows[True].split()[:2] == ["conv_stack", "None"]
     assert "suspend" in rows[True] and "suspend" not in rows[False]
+
+
+def test_a_forward_that_returns_a_dict_finds_its_tensors_without_the_pytree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The root's exit looks for the output's tensors at every forward: HF models return a
+    ``ModelOutput`` (a dict), which torch's pytree would walk in some 180 bytecodes."""
+    from gradgate import _autograd
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = _mlp()
+
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"out": self.blocks(x), "extra": (None, "text")}
+
+    model = Named()
+    gate = gg.BackpropGate(model, blocks="blocks.*", depth=1)
+    walked = []
+    monkeypatch.setattr(_autograd, "tree_leaves", lambda value: walked.append(value) or [value])
+    model(torch.ones(2, 3))["out"].sum().backward()
+    assert walked == []
+    assert [p.grad is not None for p in model.parameters()] == [False] * 6 + [True] * 2
+    gate.remove()
