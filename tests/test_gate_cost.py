@@ -808,3 +808,25 @@ def test_a_forward_that_returns_a_dict_finds_its_tensors_without_the_pytree(
     assert walked == []
     assert [p.grad is not None for p in model.parameters()] == [False] * 6 + [True] * 2
     gate.remove()
+
+
+def test_the_bytecode_count_takes_only_the_packages_own_files(tmp_path: Any) -> None:
+    """A clone named ``gradgate`` with its ``.venv`` inside (what README's commands make) holds
+    torch under a path that contains "gradgate": only the package's own folder counts."""
+    from pathlib import Path
+
+    from gradgate._bench import bytecode
+
+    package = Path(gg.__file__).parent
+
+    def ours(path: Path) -> bool:
+        return bytecode._ours(compile("pass", str(path), "exec"))
+
+    clone = tmp_path / "gradgate"
+    torch_in_venv = clone / ".venv/lib/python3.11/site-packages/torch/nn/modules/module.py"
+    assert not ours(torch_in_venv)
+    assert not ours(clone / "tests" / "test_gate_cost.py")
+    assert not ours(package.parent / "gradgate_extra" / "x.py")
+    assert not ours(package / "_bench" / "run.py")
+    assert ours(package / "_cut.py")
+    assert ours(package / "_audit" / "recorder.py")

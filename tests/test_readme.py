@@ -51,7 +51,10 @@ def test_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
     demo, tests = commands
     assert demo.endswith("gradgate demo") and "torch==2.13.0" in demo
     assert tests.endswith("python -m pytest") and "torch==2.13.0" in tests
-    assert tests in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci
+    # CI runs it as users do: in a clone named gradgate, with its .venv inside
+    assert 'clone="$(mktemp -d)/gradgate"' in ci and 'cd "$clone"' in ci
 
 
 def test_readme_says_where_the_demo_writes_its_report() -> None:

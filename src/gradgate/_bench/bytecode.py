@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -34,9 +35,15 @@ from typing import Any
 import torch
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_BENCH = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _ours(code: CodeType) -> bool:
+    """Code in gradgate's own folder, not in the benchmark's (a path that merely contains
+    "gradgate", such as a clone's ``.venv``, is not ours)."""
     name = code.co_filename
-    return "gradgate" in name and "_bench" not in name
+    return name.startswith(_PACKAGE) and not name.startswith(_BENCH)
 
 
 def count(step: Callable[[], object]) -> tuple[collections.Counter[str], int]:
