@@ -42,6 +42,7 @@ PUBLIC = [
     "NoCudaError",
     "NoGraphError",
     "NoTensorError",
+    "PlanNotAppliedWarning",
     "RankMismatchError",
     "SavedTensorModifiedError",
     "SharedParameterWarning",

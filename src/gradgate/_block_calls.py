@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -323,3 +324,83 @@ def warn_shared_straddles(
         "choice for tied embeddings).",
         SharedParameterWarning,
     )
+
+
+def describe_plan(learn: Any, skip: frozenset[int], extra: tuple[nn.Module, ...] = ()) -> str:
+    """A plan as a user sets it: ``depth=2``, ``learn={1, 3}``, ``skip={2}``, ``depth=None``.
+
+    >>> describe_plan(range(2, 4), frozenset({0})), describe_plan(None, frozenset())
+    ('depth=2 skip={0}', 'depth=None')
+    """
+    if isinstance(learn, range):
+        plan = f"depth={len(learn)}"
+    elif learn is None and not extra:
+        plan = "" if skip else "depth=None"
+    else:
+        named = ["..."] if extra else []
+        plan = "learn={" + ", ".join([*map(str, sorted(learn or ())), *named]) + "}"
+    skipped = "skip={" + ", ".join(map(str, sorted(skip))) + "}" if skip else ""
+    return " ".join(part for part in (plan, skipped) if part)
+
+
+def plan_changed_message(gate: Any, learn: Any, skip: frozenset[int], extra: Any) -> str:
+    old = describe_plan(learn, skip, extra)
+    new = describe_plan(gate._learn, gate._skip, gate._extra)
+    model = type(gate._model).__name__
+    return (
+        f"the plan of the gate on {model} changed after a forward (from {old} to {new}) and "
+        "before its backward, with no forward in between: this backward follows the plan "
+        f"that forward ran under ({old}), so {new} does nothing for it. Set the plan before "
+        "the forward: gate.depth = k, then loss = loss_fn(model(x)), then loss.backward(). "
+        "(Micro-batches with a plan each are fine: each forward follows the plan set before it.)"
+    )
+
+
+def unused_context_message(gate: Any) -> str:
+    model = type(gate._model).__name__
+    if type(gate).__name__ == "StopGradient":
+        call = f"gg.stop_gradient_at(model, {gate._points[0][0]!r})"
+    else:
+        call = f"gg.backprop_depth(model, {describe_plan(gate._learn, gate._skip)})"
+    return (
+        f"`with {call}` on a {model} exited, and no forward of {model} ran inside it: a plan "
+        "acts on the forwards run inside the `with` block, where the graph is recorded, not on "
+        "a backward (the forward before the block recorded its graph with no cut). Run the "
+        f"forward inside it: `with {call}: loss = loss_fn(model(x), y)`, then "
+        "`loss.backward()`."
+    )
+
+
+def input_graph_message(model: nn.Module, learn: Any) -> str:
+    """What to say when a gated module's input carries a graph: point to the module that
+    runs it (the outermost one on the call stack), the model to gate instead."""
+    outer, name = _caller_holding(model)
+    kind = type(model).__name__
+    plan = f"depth={len(learn)}" if isinstance(learn, range) else "depth=..."
+    where = (
+        f"{name!r} of {type(outer).__name__} runs after modules that recorded one"
+        if outer is not None
+        else "the code that calls it ran with grad before it"
+    )
+    model_is = f"the {type(outer).__name__}" if outer is not None else "the model that runs both"
+    return (
+        f"the gated {kind}'s input already carries a graph ({where}), so no cut inside {kind} "
+        "can stop what ran before it: that learns fully, whatever the plan. Gate the model "
+        f"that contains it instead, gg.BackpropGate(model, {plan}) with model {model_is} "
+        "(gg.blocks(model) lists the blocks a depth counts), or run what comes before it "
+        "under torch.no_grad() if nothing there should learn."
+    )
+
+
+def _caller_holding(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The outermost module on the call stack that holds ``model``, and its name there."""
+    found: tuple[nn.Module | None, str] = (None, "")
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, nn.Module) and caller is not model:
+            name = next((n for n, m in caller.named_modules() if m is model), None)
+            if name is not None:
+                found = (caller, name)
+        frame = frame.f_back  # type: ignore[assignment]
+    return found

@@ -12,25 +12,31 @@ the next forward), to come back when a plan is set. The block hooks are in ``_cu
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import weakref
+from types import TracebackType
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 
 from . import _torch_internals as internals
+from ._autograd import tensors_in
 from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
     blocks_sharing_parameters,
     distributed_running,
     has_graph,
+    input_graph_message,
+    plan_changed_message,
     require_a_forward,
     shared_parameter_owners,
+    unused_context_message,
     warn_learners_not_run,
     warn_shared_straddles,
 )
-from ._cut_blocks import BlockHooks
-from ._errors import BlockCallWarning, GradgateError, warn
+from ._cut_blocks import GAP, BlockHooks
+from ._errors import BlockCallWarning, GradgateError, PlanNotAppliedWarning, warn
 from ._frames import (
     Frame,
     close_frame,
@@ -43,7 +49,7 @@ from ._frames import (
 )
 from ._fsdp import FsdpPlan
 from ._handles import Handle
-from ._held import HeldFrozen, Learners, graph_of
+from ._held import HeldFrozen, Learners, call_at_backward, graph_of
 from ._hook_set import HookSet
 from ._hooks import ForwardGuard, GateHook
 from ._plan_key import PlanKey
@@ -54,6 +60,7 @@ from ._stale_grads import CutGrads
 from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
+_C = TypeVar("_C", bound="_Cut")
 
 
 class _Cut(BlockHooks, Handle):
@@ -102,6 +109,13 @@ class _Cut(BlockHooks, Handle):
         self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
         self._ddp_checked = False  # at a forward: the process group may start after the gate
+        self._forwards = 0  # root forwards so far: a plan change and a `with` block compare
+        self._planned_at = 0  # _forwards at the last change of plan
+        self._changed: tuple[Any, int] | None = None  # the plan before a change, _forwards then
+        self._unheld: list[Any] = []  # graph nodes of the last forward with nothing held (depth 0)
+        self._input_unseen = True  # the first forward with grad looks for a graph on its input
+        self._entered_at: int | None = None  # _forwards when a `with` block entered
+        self._warns_unused = False  # backprop_depth / stop_gradient_at: a `with` block is its use
         if distributed_running():
             from .distributed import require_find_unused_parameters
 
@@ -131,6 +145,7 @@ class _Cut(BlockHooks, Handle):
         self._require_active()
         if type(learn) is type(self._learn) and learn == self._learn and extra == self._extra:
             return  # the same plan again (loops set it at every step): its tables stay
+        self._plan_changing()
         if extra != self._extra:
             self._hooks.discard(self._extra_hooks)
             self._extra_hooks = [
@@ -206,6 +221,7 @@ class _Cut(BlockHooks, Handle):
     def _enter_root(self, module: nn.Module, args: Any) -> Frame | None:
         """Set up a forward of the root; returns its frame, for _exit_root (none with no plan
         and the hooks off: nothing to set up, nothing to put back)."""
+        self._forwards += 1
         recover_stale_frames()
         distributed = distributed_running()
         if self._learn is None and not (
@@ -234,6 +250,8 @@ class _Cut(BlockHooks, Handle):
             check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()
         blocking = self._learn is not None and (grad or grad_held_off())
+        if blocking and grad and self._input_unseen:
+            self._look_at_input(args)
         if grad:
             self._stale_grads.saw(self._learn, self._skip, self._keep)
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
@@ -266,6 +284,8 @@ class _Cut(BlockHooks, Handle):
         if frame.blocking and frame.opened and torch.is_grad_enabled():
             if held or self._learn or self._extra:  # else nothing to wait for in its backward
                 self._held.hold(held, graph, self._learners(frame))
+            else:  # a plan changed before its backward looks at these (see _plan_changing)
+                self._unheld = [tensor.grad_fn for tensor in graph if tensor.grad_fn is not None]
         elif held:
             self._held.hold(held, graph, Learners())
         never_opened = frame.blocking and not frame.opened and frame.grad_before and not raising
@@ -278,6 +298,8 @@ class _Cut(BlockHooks, Handle):
             and not graph
             and not has_graph(output)  # an output with no tensors
         )
+        if frame.gap_calls and not raising:  # they ran after the last block that ran
+            self._gap_ran_last(frame.gap_calls, GAP in frame.frozen)
         close_frame(frame)
         if not raising:  # no diagnostics while an exception propagates
             self._stacks.learn(frame)
@@ -294,6 +316,61 @@ class _Cut(BlockHooks, Handle):
             module, self.prefix_mode, self._containers, whole=module is self._model
         )
 
+    # -- a plan that cannot act ----------------------------------------------------------------
+    def _plan_changing(self) -> None:
+        """The plan is about to change. A backward of a forward run before (under the old plan)
+        that comes with no forward in between follows the old plan: the next backward says so
+        (see _backward_after_change). Micro-batches, a forward after each change, are fine."""
+        if self._forwards == self._planned_at:
+            return  # nothing ran under the plan being replaced (or it changed already)
+        self._planned_at = self._forwards
+        if self._own_frame() is not None:
+            return  # set during a forward: the blocks that run after it follow it
+        self._changed = ((self._learn, self._skip, self._extra), self._forwards)
+        watch = weakref.WeakMethod(self._backward_after_change)
+        self._held.watch = watch  # forwards whose backward the held parameters wait for
+        unheld, self._unheld = self._unheld, []
+        param = None
+        for position in reversed(range(len(self._points)) if self._learn is None else ()):
+            # no plan, or skips only, watched by nothing: a parameter of the last block learns
+            params = self._points[position][1].parameters() if position not in self._skip else ()
+            param = next((p for p in params if p.requires_grad), None)
+            if param is not None:
+                break
+        mark = internals.hooks_registered()
+        call_at_backward(watch, unheld, param)
+        self._hooks.registered_since(mark)  # the gate's own: no module's hooks to look at
+
+    def _backward_after_change(self) -> None:
+        changed, self._changed, self._held.watch = self._changed, None, None
+        if changed is None or changed[1] != self._forwards:
+            return  # a forward ran after the change: this backward is (also) its own
+        if changed[0] != (self._learn, self._skip, self._extra):  # not set back meanwhile
+            warn(plan_changed_message(self, *changed[0]), PlanNotAppliedWarning)
+
+    def _look_at_input(self, args: Any) -> None:
+        """A gate's first forward with grad: an input that carries a graph means that what ran
+        before the gated module learns, whatever the plan."""
+        self._input_unseen = False
+        if any(t.grad_fn is not None for t in tensors_in(args)):
+            warn(input_graph_message(self._model, self._learn), PlanNotAppliedWarning)
+
+    def __enter__(self: _C) -> _C:
+        entered = super().__enter__()
+        self._entered_at = self._forwards
+        return entered
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        unused = self._warns_unused and exc_type is None and self._entered_at == self._forwards
+        super().__exit__(exc_type, exc, tb)  # the cut is gone before the warning
+        if unused:
+            warn(unused_context_message(self), PlanNotAppliedWarning)
+
     # -- diagnostics ---------------------------------------------------------------------------
     def _warn_after_forward(self, frame: Frame, never_opened: bool, nothing_learns: bool) -> None:
         said = (never_opened or nothing_learns) and warn_learners_not_run(self, frame, never_opened)
@@ -302,12 +379,30 @@ class _Cut(BlockHooks, Handle):
         if frame.shared_uses and "shared" not in self._warned:
             warn_shared_straddles(self._model, frame.shared_uses, self._warned)
 
+    def _gap_ran_last(self, calls: list[int], frozen: bool) -> None:
+        """Outside modules taken for code between the blocks (see Stacks.between_blocks) ran
+        after the last block that ran (LayerDrop skipped the rest): they are not, from now on.
+        Still ``frozen``, they got no gradient in this forward."""
+        calls = [index for index in calls if index not in self._gap_modules]
+        self._stacks.ran_last(calls)
+        if frozen and calls:
+            names = {id(m): n for n, m in self._model.named_modules()}
+            listed = ", ".join(repr(names.get(id(self._stacks.outside[i]), "?")) for i in calls)
+            self._warn_once(
+                "ran-last",
+                f"{listed} ran after the last block that ran in this forward (the blocks after "
+                "it were skipped: LayerDrop?), where gradgate took them for code between the "
+                "blocks before the first learner, so they got no gradient in this step. From "
+                "now on they learn when they run after the last block.",
+            )
+
     def _warn_once(self, key: str, message: str) -> None:
         if message and key not in self._warned:  # no message: nothing to say this time
             self._warned.add(key)
             warn(message, BlockCallWarning)
 
     def _remove_hooks(self) -> None:
+        self._unheld = []
         if self._assignments is not None:
             self._assignments.remove()
         for frame in [f for f in open_frames() if f.gate is self]:

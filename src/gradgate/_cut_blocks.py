@@ -24,7 +24,7 @@ from ._block_calls import (
 )
 from ._frames import THREAD, Frame, grad_held_off, open_frames
 from ._hooks import HookedForward
-from ._plan_tables import HOOKED, LEARNER, OPENS_GAP, PREFIX
+from ._plan_tables import HOOKED, LEARNER, OPENS_GAP, OPENS_LAST, PREFIX, opening_step
 from ._stacks import Stacks
 
 GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
@@ -155,8 +155,11 @@ class BlockHooks:
                     internals.set_grad_mode(True)
                 else:
                     self._open(frame, for_now=True)
-                if step == OPENS_GAP and GAP not in frame.frozen:
-                    self._freeze_gap(frame)
+                if step == OPENS_GAP:
+                    if GAP not in frame.frozen:
+                        self._freeze_gap(frame)
+                elif step == OPENS_LAST and GAP in frame.frozen:
+                    self._end_gap(frame, position)  # what runs after the last block learns
             return output
         if step == HOOKED or not (frame.checked and frame.opened) or frame.tentative is not None:
             return self._hooked_call(position, wrapper, args, kwargs)  # the first learner checks
@@ -210,8 +213,11 @@ class BlockHooks:
         cache stays off until a learner runs."""
         frame.tentative = position
         self._open(frame, for_now=True)
-        if position < self._first_opener() < len(self._points) and GAP not in frame.frozen:
+        step = opening_step(position, self._first_opener(), len(self._points))
+        if step == OPENS_GAP and GAP not in frame.frozen:
             self._freeze_gap(frame)
+        elif step == OPENS_LAST and GAP in frame.frozen:
+            self._end_gap(frame, position)
 
     def _freeze_gap(self, frame: Frame) -> None:
         """Grad is on between the blocks (for checkpoint()), yet the code before the first
@@ -250,17 +256,19 @@ class BlockHooks:
         No block hook can open the cut then; it opens at the first module that earlier forwards
         saw run after that stack (never before it: registration order is no guide). Under a
         learning set, one that runs after the cut unnamed, and not after the last stack, is
-        frozen for the step.
+        frozen for the step. Where the code between the blocks is frozen (up to the first
+        learner), one that no forward saw run between two blocks, and that is no member of a
+        list (norms[i] after block i), ends that freeze: it runs after the last block that ran.
         """
         frame = self._own_frame()
         if frame is None:
             return
         frame.outside_calls.append((index, len(frame.stacks_ran)))
-        if GAP in frame.frozen:  # unless seen before a block, it runs after them (LayerDrop)
+        if GAP in frame.frozen:  # unless known to run between blocks, it runs after them
             frame.gap_calls.append(index)
             frame.lane = None  # the next block's hooks take note of it
-            if index not in self._gap_modules:
-                self._end_gap(frame, frame.tentative)
+            if not (index in self._gap_modules or self._stacks.between_blocks(index)):
+                self._end_gap(frame, frame.tentative)  # LayerDrop skipped the blocks after
         if frame.blocking and not frame.opened:
             stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]
             if stack not in frame.stacks_ran and self._stacks.seen_after(stack, index):

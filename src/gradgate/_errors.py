@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import sysconfig
 import warnings
 
 
@@ -139,6 +141,11 @@ class NoBackwardWarning(GradgateWarning):
     """An audit saw a forward that built a graph but no backward: its gradient counts are 0."""
 
 
+class PlanNotAppliedWarning(GradgateWarning):
+    """A plan cannot act where it was set: on a backward whose forward ran under another plan
+    (or before the ``with`` block), or inside a module whose input already carries a graph."""
+
+
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, (GradgateError, GradgateWarning)):
         _cls.__module__ = "gradgate"  # shown as gradgate.X in tracebacks and docs
@@ -146,9 +153,48 @@ del _cls
 
 
 def warn(message: str, category: type[GradgateWarning]) -> None:
-    """Warn, attributed to the first caller outside gradgate (the line the user wrote)."""
-    package = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)
+    """Warn, attributed to the line the user wrote: the first caller outside gradgate, torch
+    and installed packages (a model's library code between the user and gradgate, the standard
+    library). Where every caller is library code (a thread a library started), the first
+    caller outside gradgate and torch."""
+    ours, torch_root, libraries = _roots()
+    callers: list[str] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        callers.append(frame.f_code.co_filename)
+        frame = frame.f_back  # type: ignore[assignment]
+    outside = [i for i, name in enumerate(callers) if not name.startswith(ours)]
+    level = next(
+        (i for i in outside if not _is_library(callers[i], torch_root, libraries)),
+        next((i for i in outside if not callers[i].startswith(torch_root)), None),
+    )
+    if level is None:
+        level = outside[0] if outside else 0
+    warnings.warn(message, category, stacklevel=level + 2)  # 2: this function's caller
+
+
+def _is_library(filename: str, torch_root: str, libraries: tuple[str, ...]) -> bool:
+    """Code the user did not write: torch, an installed package, the standard library."""
+    return (
+        filename.startswith((torch_root, *libraries, "<frozen "))
+        or f"{os.sep}site-packages{os.sep}" in filename
+        or f"{os.sep}dist-packages{os.sep}" in filename
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _roots() -> tuple[str, str, tuple[str, ...]]:
+    """Folders (each ending in a separator) of gradgate's own code, of torch, and of the
+    interpreter's libraries. gradgate's from its top package, wherever this module lies."""
+    top = sys.modules[__name__.partition(".")[0]]
+    ours = _folder(top.__file__)  # as code objects name their files: no abspath
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    torch_root = _folder(torch_file) if torch_file else ours
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    libraries = tuple(os.path.join(os.path.abspath(path), "") for path in sorted(found))
+    return ours, torch_root, libraries
+
+
+def _folder(file: str | None) -> str:
+    return os.path.join(os.path.dirname(str(file)), "")

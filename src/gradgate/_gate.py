@@ -11,7 +11,14 @@ from torch import Tensor, nn
 from ._block_calls import require_a_forward
 from ._cut import PrefixMode, _Cut
 from ._errors import InvalidDepthError
-from ._select import Pattern, check_module, find_module, resolve_blocks, resolve_modules
+from ._select import (
+    Pattern,
+    check_module,
+    check_patterns,
+    find_module,
+    resolve_blocks,
+    resolve_modules,
+)
 
 
 class BackpropGate(_Cut):
@@ -100,13 +107,16 @@ class BackpropGate(_Cut):
     @skip.setter
     def skip(self, value: Iterable[int] | int | None) -> None:
         self._require_active()
-        one = hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim())
-        try:  # one position, as learn takes it, or a set of them
-            items = [value] if one else [] if value is None else list(value)  # type: ignore[arg-type]
+        if hasattr(value, "__index__") and not (isinstance(value, Tensor) and value.dim()):
+            _refuse_one_position(value)
+        try:
+            items = [] if value is None else list(value)  # type: ignore[arg-type]
         except TypeError:
             raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.") from None
-        positions = self._positions(items, option="skip")
-        self._skip = frozenset(positions)
+        skip = frozenset(self._positions(items, option="skip"))
+        if skip != self._skip:
+            self._plan_changing()
+        self._skip = skip
         self._new_tables()
         self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
@@ -169,7 +179,8 @@ class BackpropGate(_Cut):
             if not -n <= index < n:
                 raise InvalidDepthError(
                     f"{option} contains block position {index}, out of range: "
-                    f"{type(self._model).__name__} has {n} blocks (0..{n - 1})."
+                    f"{type(self._model).__name__} has {n} blocks; expected positions "
+                    f"0..{n - 1}, or -{n}..-1 counting from the last."
                 )
             found.append(index % n)
         return found
@@ -204,7 +215,9 @@ def backprop_depth(
     >>> [i for i, layer in enumerate(net) if layer.weight.grad is not None]
     [2, 3]
     """
-    return BackpropGate(model, blocks, depth=depth, prefix_mode=prefix_mode)
+    gate = BackpropGate(model, blocks, depth=depth, prefix_mode=prefix_mode)
+    gate._warns_unused = True  # a `with` block in which no forward ran says so at its exit
+    return gate
 
 
 class StopGradient(_Cut):
@@ -212,10 +225,13 @@ class StopGradient(_Cut):
 
     def __init__(self, model: nn.Module, name: str, *, prefix_mode: PrefixMode = "keep") -> None:
         check_module(model)
-        if not isinstance(name, str) or not name:
+        if isinstance(name, str | int) and not isinstance(name, bool) and name != "":
+            (name,) = check_patterns("stop_gradient_at", (name,), model=model)
+        if isinstance(name, bool) or not isinstance(name, str | int) or name == "":
             raise InvalidDepthError(
-                f"stop_gradient_at needs a module name; got {name!r}. Expected the qualified "
-                "name of a module inside the model, e.g. 'encoder.layer.4'."
+                f"stop_gradient_at needs a module name or a block position; got {name!r}. "
+                "Expected the qualified name of a module inside the model, e.g. "
+                "'encoder.layer.4', or a position in gg.blocks(model), e.g. -1."
             )
         point = find_module(model, name)
         if point[1] is model:
@@ -245,7 +261,9 @@ def stop_gradient_at(
     >>> net[0].weight.grad is None, net[1].weight.grad is not None
     (True, True)
     """
-    return StopGradient(model, name, prefix_mode=prefix_mode)
+    gate = StopGradient(model, name, prefix_mode=prefix_mode)
+    gate._warns_unused = True  # a `with` block in which no forward ran says so at its exit
+    return gate
 
 
 def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
@@ -281,4 +299,19 @@ def _refuse_depth_as_blocks(blocks: object) -> None:
         f"depth={blocks!r}? The second positional argument is blocks: write "
         f"gg.BackpropGate(model, depth={blocks!r}), or blocks=[{blocks!r}] if a gate over that "
         "one block is what you expected."
+    )
+
+
+def _refuse_one_position(value: object) -> None:
+    """``gate.skip = 3`` reads as "skip 3 blocks" as much as "skip block 3": a set says which."""
+    try:
+        index = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:  # a float tensor
+        index = None
+    if index is None:
+        raise InvalidDepthError(f"skip={value!r}; expected a set of block positions.")
+    raise InvalidDepthError(
+        f"skip={value!r} is one integer; expected a set of block positions (the blocks that "
+        f"run with no graph). To skip block {index}, write gate.skip = {{{index}}}; "
+        "gate.skip = None skips none."
     )

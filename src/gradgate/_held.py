@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,6 +65,8 @@ class HeldFrozen:
         # what the forwards whose backward is pending learn: ids, and modules not looked up yet
         self._learned: set[int] = set()
         self._learners: list[Learners] = []
+        # a plan changed after a forward: told when a backward starts (see _Cut._plan_changing)
+        self.watch: weakref.WeakMethod[Callable[[], None]] | None = None
 
     def hold(
         self, params: list[nn.Parameter], graph: list[torch.Tensor], learners: Learners
@@ -87,6 +90,8 @@ class HeldFrozen:
         def at_backward(*grads: Any) -> None:
             if not queued:
                 queued.append(True)
+                if self.watch is not None:
+                    _call(self.watch)
                 queue_after_backward(self.backward_done)  # else released at the next forward
 
         for tensor in graph:
@@ -108,6 +113,36 @@ class HeldFrozen:
             self._learned |= learners.parameter_ids()
         self._learners.clear()
         return self._learned
+
+
+def call_at_backward(
+    callback: weakref.WeakMethod[Callable[[], None]],
+    nodes: Iterable[Any] = (),
+    param: nn.Parameter | None = None,
+) -> None:
+    """Have ``callback`` called when a backward reaches one of the autograd ``nodes`` (their
+    hooks go with their graph) or ``param`` (its hook comes off when that backward ends). Held
+    weakly: a graph may outlive the gate that watches it."""
+
+    def reached(*grads: Any) -> None:
+        _call(callback)
+
+    for node in nodes:
+        node.register_prehook(reached)
+    if param is not None:
+        handles: list[Any] = []
+
+        def once(grad: torch.Tensor) -> None:
+            queue_after_backward(handles[0].remove)  # not while autograd runs the hooks
+            reached()
+
+        handles.append(param.register_hook(once))
+
+
+def _call(callback: weakref.WeakMethod[Callable[[], None]]) -> None:
+    method = callback()
+    if method is not None:
+        method()
 
 
 def _give_back(params: list[nn.Parameter]) -> None:

@@ -3,6 +3,9 @@
 A module hook sends every call of its module down torch's slow path (hook dispatch), so hooks
 added with :meth:`HookSet.around` run from a wrapper around the module's ``forward`` instead,
 while the module has no other hook; beside other hooks they are module hooks, in their place.
+Hooks registered for every module (``FlopCounterMode``'s module tracker) do not count: they
+run outside ``forward`` either way, and a module hook would turn off the fused kernels of
+modules that look for their own hooks (``nn.TransformerEncoderLayer``).
 Where dynamo cannot be told to skip the wrapper's frame (torch 2.6, 2.7: it traces it under
 ``torch.compile``, and torch 2.6 crashed there) they are always module hooks.
 """
@@ -23,8 +26,8 @@ class HookSet:
 
     Hooks added with ``around`` run from a wrapper around the module's ``forward`` while the
     module has no other hook, so torch calls it on its fast path (no hook dispatch), and as module
-    hooks, in their place among the others, while it has some (a user's, FSDP2's, ZeRO-3's, a
-    global one): ``fit()`` chooses again. ``suspend()`` takes every hook off for a while and
+    hooks, in their place among the others, while it has some (a user's, FSDP2's, ZeRO-3's):
+    ``fit()`` chooses again. ``suspend()`` takes every hook off for a while and
     ``resume()`` puts them back where they were.
     """
 
@@ -52,11 +55,13 @@ class HookSet:
         *,
         prepend: bool = False,
         lane: tuple[Any, Any] | None = None,
+        always: bool = False,
     ) -> list[_ModuleHook]:
         """``enter(module, args)`` before the module's forward (before its other pre-hooks with
-        ``prepend``), ``exit(module, args, kwargs, output)`` after it, like module hooks, or
-        ``lane`` in their place while they are the module's only hooks (see HookedForward).
-        Returns them, for :meth:`discard`."""
+        ``prepend``), ``exit(module, args, kwargs, output)`` after it (with ``always``, also
+        when the forward raises, the output then ``None``), like module hooks, or ``lane`` in
+        their place while they are the module's only hooks (see HookedForward). Returns them,
+        for :meth:`discard`."""
         wrapper = next((w for w in self._wrappers if w.module is module), None)
         if wrapper is None:
             wrapper = HookedForward(module)
@@ -67,15 +72,16 @@ class HookSet:
             added.append(_ModuleHook(module, enter, True, {"prepend": prepend}, off=True))
             wrapper.add(enter, pre=True, first=prepend)
         if exit is not None:
-            added.append(_ModuleHook(module, exit, False, {"with_kwargs": True}, off=True))
-            wrapper.add(exit, pre=False)
+            options = {"with_kwargs": True} | ({"always_call": True} if always else {})
+            added.append(_ModuleHook(module, exit, False, options, off=True))
+            wrapper.add(exit, pre=False, always=always)
         if lane is not None and enter is not None:
             wrapper.add_lane(enter, exit, lane)
         self._hooks += added
         self._entry.update((id(entry.hook), entry) for entry in added)
         if wrapper.hooked:
             wrapper.hooked = False  # registered again, the new ones in their place
-        self._fit(wrapper, internals.global_module_hooks())
+        self._fit(wrapper)
         self._fitted = self._quiet = None  # the new ones: see fit()
         return added
 
@@ -108,22 +114,24 @@ class HookSet:
         registered = internals.hooks_registered()
         if registered == self._fitted or self.suspended:
             return
-        everywhere = internals.global_module_hooks()
         for wrapper in self._wrappers:
-            self._fit(wrapper, everywhere)
+            self._fit(wrapper)
         hooked = any(wrapper.hooked for wrapper in self._wrappers)
         self._fitted = None if hooked else internals.hooks_registered()
 
     def registered_since(self, mark: int) -> None:
         """The hooks registered since ``mark`` (a ``hooks_registered()``) are the caller's own,
         none of them module hooks: they do not make fit() look again."""
+        now = internals.hooks_registered()
         if self._fitted == mark:
-            self._fitted = internals.hooks_registered()
+            self._fitted = now
+        if self._quiet == mark:  # while suspended: see suspend()
+            self._quiet = now
 
-    def _fit(self, wrapper: HookedForward, everywhere: bool) -> None:
+    def _fit(self, wrapper: HookedForward) -> None:
         if self.suspended:
             return
-        hooked = everywhere or wrapper.others() or not internals.SKIPS_FRAMES
+        hooked = wrapper.others() or not internals.SKIPS_FRAMES
         if hooked == wrapper.hooked and wrapper.runs != hooked:
             return  # as it should be
         own: set[int] = set()

@@ -191,6 +191,7 @@ class HookedForward(_InstanceForward):
         super().__init__(module)
         self.enter: list[GateHook] = []
         self.exit: list[GateHook] = []
+        self.always: list[GateHook] = []  # exits that run also when forward raises
         self._direct: tuple[list[Any], list[Any]] = ([], [])  # enter, exit: the bound methods
         self._lane_for: tuple[GateHook, ...] = ()  # the hooks the lane replaces
         self._lane_of_pair: tuple[Any, Any] = (None, None)
@@ -198,9 +199,11 @@ class HookedForward(_InstanceForward):
         self._lane_first: Any = None
         self.hooked = self.runs = False
 
-    def add(self, hook: GateHook, *, pre: bool, first: bool = False) -> None:
+    def add(self, hook: GateHook, *, pre: bool, first: bool = False, always: bool = False) -> None:
         hooks = self.enter if pre else self.exit
         hooks.insert(0 if first else len(hooks), hook)
+        if always:
+            self.always.append(hook)
         self._update()
 
     def add_lane(self, enter: GateHook, exit: GateHook | None, lane: tuple[Any, Any]) -> None:
@@ -211,6 +214,8 @@ class HookedForward(_InstanceForward):
 
     def drop(self, hook: GateHook) -> None:
         (self.enter if hook in self.enter else self.exit).remove(hook)
+        if hook in self.always:
+            self.always.remove(hook)
         if hook in self._lane_for:
             self._lane_for, self._lane_of_pair = (), (None, None)
         self._update()
@@ -255,12 +260,25 @@ class HookedForward(_InstanceForward):
             replaced = enter(module, args)
             if replaced is not None:
                 args = replaced if isinstance(replaced, tuple) else (replaced,)
-        output = self.inner(*args, **kwargs)
+        if self.always:
+            output = self._call_always(args, kwargs, compiled)
+        else:
+            output = self.inner(*args, **kwargs)
         for exit in exits:
             replaced = exit(module, args, kwargs, output)
             if replaced is not None:
                 output = replaced
         return output
+
+    def _call_always(self, args: Any, kwargs: Any, compiled: bool) -> Any:
+        """The forward; when it raises, the ``always`` exits run (with no output) first."""
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException:
+            for hook in self.always:
+                run = hook if compiled else partial(hook.function, *hook.bound)
+                run(self.module, args, kwargs, None)
+            raise
 
 
 class CompiledForward(_InstanceForward):
@@ -291,5 +309,6 @@ skip_frames(
     ForwardGuard._compiled_by_block,
     HookedForward.__call__,
     HookedForward.call_hooks,
+    HookedForward._call_always,
     CompiledForward.__call__,
 )

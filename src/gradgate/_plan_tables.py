@@ -48,6 +48,7 @@ LEARNER = 1  # after the cut: note that it ran
 PREFIX = 2  # before the cut: note that it ran (every step above LEARNER is before the cut)
 OPENS = 3  # and open the cut for now after it
 OPENS_GAP = 4  # and also freeze the code between it and the first learner
+OPENS_LAST = 5  # the last block: and the code after it learns (the freeze ends)
 
 
 def lane_steps(
@@ -60,12 +61,13 @@ def lane_steps(
     """Per block: what the lane does with a call in order. A block that is skipped or holds a
     named learning module always has its hooks run; a learner is ``LEARNER``; a block that does
     not learn is ``PREFIX``, or opens the cut for now after it (``after``, see opens_after), with
-    the code up to the first learner ``first`` frozen when that learner is a block.
+    the code up to the first learner ``first`` frozen (up to the last block when no block
+    learns: what runs after it learns), or, the last block, ending that freeze.
 
     >>> lane_steps(range(3, 5), {1}, set(), [True, True, True, False, False], 3)
     [4, 0, 4, 1, 1]
     >>> lane_steps(None, set(), {1}, [True, True, True], 3)
-    [3, 0, 3]
+    [4, 0, 5]
     """
     learn, n = learn or (), len(after)
     steps = []
@@ -75,7 +77,20 @@ def lane_steps(
         elif position in learn:
             steps.append(LEARNER)
         elif opens:
-            steps.append(OPENS_GAP if position < first < n else OPENS)
+            steps.append(opening_step(position, first, n))
         else:
             steps.append(PREFIX)
     return steps
+
+
+def opening_step(position: int, first: int, n: int) -> int:
+    """What the cut does when it opens for now after block ``position`` (of ``n``; the first
+    learner at ``first``, ``n`` for none): freeze the code from there to the first learner (to
+    the last block when no block learns), end that freeze after the last block, or neither.
+
+    >>> [opening_step(p, 2, 4) for p in range(4)], [opening_step(p, 4, 4) for p in range(4)]
+    ([4, 4, 3, 5], [4, 4, 4, 5])
+    """
+    if position < min(first, n - 1):
+        return OPENS_GAP
+    return OPENS_LAST if position == n - 1 else OPENS

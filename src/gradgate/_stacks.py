@@ -26,6 +26,9 @@ class Stacks:
         # per block: the first of its stack (run in order, it is the one that starts the stack)
         self.starts = [p == 0 or self.of[p] != self.of[p - 1] for p in range(len(self.of))]
         self.outside = outside_modules(model, points)
+        # members of a container with no forward (norms[i] after block i): taken for code
+        # between the blocks until a forward shows one running after the last block that ran
+        self.listed = set(listed_members(model, self.outside, points))
         self._owner = {id(m): ("block", i) for i, (_, b) in enumerate(points) for m in b.modules()}
         self._owner |= {
             id(m): ("outside", i) for i, o in enumerate(self.outside) for m in o.modules()
@@ -59,6 +62,16 @@ class Stacks:
         inside = {id(n) for m in modules for n in m.modules()}
         outside = {i for i, o in enumerate(self.outside) if id(o) in inside}
         return frozenset(blocks), frozenset(outside)
+
+    def between_blocks(self, index: int) -> bool:
+        """Whether outside module ``index``, running after a block before the first learner,
+        is taken for code between the blocks (frozen) before any forward showed where it runs:
+        it is listed (see listed_members)."""
+        return index in self.listed
+
+    def ran_last(self, indices: list[int]) -> None:
+        """Outside modules ran after the last block that ran in a forward: not listed ones."""
+        self.listed.difference_update(indices)
 
     def runs_after_last(self, frame: Frame, index: int) -> bool:
         """Whether outside module ``index`` runs after the last stack (a final norm, a head)."""
@@ -99,6 +112,32 @@ class Stacks:
             whole = names == [f"{container}.{child}" for child, _ in children]
             patterns += [f"{container}.*"] if container and whole else names
         return patterns
+
+
+def listed_members(
+    model: nn.Module, outside: list[nn.Module], points: list[tuple[str, nn.Module]]
+) -> list[int]:
+    """Positions in ``outside`` of the members of containers with no forward of their own
+    (``nn.ModuleList``, ``nn.ModuleDict``: a list of norms or gates applied after each block),
+    and of an ``nn.Sequential``'s members that run before its last block (a flat CNN's norms)."""
+    parents = {id(child): module for module in model.modules() for child in module.children()}
+    block_ids = {id(block) for _, block in points}
+    last_block = {
+        id(parent): max(i for i, child in enumerate(parent.children()) if id(child) in block_ids)
+        for parent in model.modules()
+        if isinstance(parent, nn.Sequential) and any(id(c) in block_ids for c in parent.children())
+    }
+
+    def between(module: nn.Module, parent: nn.Module) -> bool:
+        if id(parent) in last_block:
+            return list(parent.children()).index(module) < last_block[id(parent)]
+        return type(parent).forward is nn.Module.forward and "forward" not in vars(parent)
+
+    return [
+        index
+        for index, module in enumerate(outside)
+        if (parent := parents.get(id(module))) is not None and between(module, parent)
+    ]
 
 
 def outside_modules(model: nn.Module, points: list[tuple[str, nn.Module]]) -> list[nn.Module]:

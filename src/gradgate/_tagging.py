@@ -75,8 +75,10 @@ class ModuleTagger:
             for name, module in self.model.named_modules():
                 if not runs_itself(module):
                     continue  # a container: it is never called, its members are
-                self._hooks.pre(module, GateHook(self, "_entered", name))
-                self._hooks.post(module, GateHook(self, "_left", name), always_call=True)
+                # from a wrapper around forward while the module has no other hook: a module
+                # hook would turn off nn.TransformerEncoderLayer's fused kernel (see HookSet)
+                entered, left = GateHook(self, "_entered", name), GateHook(self, "_left", name)
+                self._hooks.around(module, entered, left, always=True)
         except BaseException:
             self.remove()
             raise
@@ -118,7 +120,7 @@ class ModuleTagger:
         self.forward_seen = True
         self._stack().append(_Call(name, module, next_sequence_nr()))
 
-    def _left(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+    def _left(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         stack = self._stack()
         if not stack or stack[-1].module is not module:
             return  # our pre-hook did not run for this call (an earlier hook raised)
