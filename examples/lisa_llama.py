@@ -32,7 +32,7 @@ def layer_weights(model: LlamaForCausalLM) -> list[list[torch.Tensor]]:
 def main() -> None:
     model = tiny_llama()
     n = len(gg.blocks(model))
-    schedule = gg.schedules.LISA(n, k=1, every=2, always=["model.embed_tokens"], seed=0)
+    schedule = gg.schedules.LISA(n, k=1, every=2, seed=0)  # embeddings, norm, head: always
     gate = gg.BackpropGate(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))

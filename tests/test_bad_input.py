@@ -187,6 +187,15 @@ def _blocks_cases() -> list[Case]:
     ]
 
 
+def _plan(c: Ctx, field: str, value: Any) -> None:
+    """Set a plan field on a gate over the four blocks; the gate goes whatever happens."""
+    gate = gg.BackpropGate(c.model, "blocks.*")
+    try:
+        setattr(gate, field, value)
+    finally:
+        gate.remove()
+
+
 def _option_cases() -> list[Case]:
     m = lambda c: c.model  # noqa: E731
     raw: list[tuple[str, Callable[[Ctx], Any], str]] = [
@@ -199,6 +208,15 @@ def _option_cases() -> list[Case]:
         ("BackpropGate-depth=-1", lambda c: gg.BackpropGate(m(c), depth=-1), "-1"),
         ("BackpropGate-prefix_mode", lambda c: gg.BackpropGate(m(c), prefix_mode="x"), "'x'"),
         ("BackpropGate-check_ranks", lambda c: gg.BackpropGate(m(c), check_ranks="y"), "'y'"),
+        ("BackpropGate.learn-position=n", lambda c: _plan(c, "learn", {0, 4}), "4"),
+        ("BackpropGate.learn-position=-n-1", lambda c: _plan(c, "learn", -5), "-5"),
+        ("BackpropGate.skip-position=n", lambda c: _plan(c, "skip", {0, 4}), "4"),
+        ("BackpropGate.skip-position=-n-1", lambda c: _plan(c, "skip", {-5}), "-5"),
+        (
+            "BackpropGate-blocks=named twice",
+            lambda c: gg.BackpropGate(m(c), blocks=["blocks.0", "blocks.0"]),
+            "'blocks.0' twice",
+        ),
         ("stop_gradient_at-slice", lambda c: gg.stop_gradient_at(m(c), slice(0, 2)), "slice"),
         (
             "stop_gradient_at-prefix_mode",
@@ -293,6 +311,16 @@ def _option_cases() -> list[Case]:
         ("RandomDepth-seed=str", lambda c: gg.schedules.RandomDepth(4, seed="x"), "'x'"),
         ("LISA-k>n", lambda c: gg.schedules.LISA(4, k=9), "9"),
         ("LISA-every=0", lambda c: gg.schedules.LISA(4, every=0), "0"),
+        ("LISA-always=n", lambda c: gg.schedules.LISA(4, k=0, always=[4]), "always entry=4"),
+        ("LISA-always=-n-1", lambda c: gg.schedules.LISA(4, k=0, always=[-5]), "entry=-5"),
+        ("LISA-k=True", lambda c: gg.schedules.LISA(4, k=True), "k=True"),
+        ("LISA-embeddings=str", lambda c: gg.schedules.LISA(4, embeddings="no"), "'no'"),
+        (
+            "GradualUnfreeze-every=True",
+            lambda c: gg.schedules.GradualUnfreeze(4, every=True),
+            "True",
+        ),
+        ("Schedule.plan-step=True", lambda c: gg.schedules.RandomDepth(4).plan(True), "True"),
         ("DropBP-rate=1.5", lambda c: gg.schedules.DropBP(4, rate=1.5), "1.5"),
         ("DropBP-rates-length", lambda c: gg.schedules.DropBP(4, rates=[0.1]), "[0.1]"),
         ("FreezeOut-total_steps=-1", lambda c: gg.schedules.FreezeOut(4, total_steps=-1), "-1"),

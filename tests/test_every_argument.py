@@ -63,6 +63,8 @@ POOL: list[Any] = [
     1,
     2,
     -1,
+    N_BLOCKS,  # the block count and one below -N_BLOCKS: the first positions out of range
+    -N_BLOCKS - 1,
     7,
     -9,
     1.5,
@@ -100,6 +102,8 @@ POOL: list[Any] = [
     [0, 2],
     {1},
     {1, 3},
+    {0, N_BLOCKS},
+    {-N_BLOCKS - 1},
     {1.5},
     {"head"},
     {"unused"},
@@ -228,6 +232,8 @@ def _matched_params(model: nn.Module, pattern: Any) -> list[str]:
 def verify(name: str, model: nn.Module, result: Any, args: list[Any], kw: dict[str, Any]) -> str:
     """'' when the result does exactly what the call says, else why not."""
     modules = dict(model.named_modules())
+    if name in ("gate.learn", "gate.skip") and _positions_out_of_range(args[0]):
+        return f"{name}={args[0]!r} accepted a position outside -{N_BLOCKS}..{N_BLOCKS - 1}"
     if name == "select":
         empty = all(isinstance(a, slice) and a == slice(0, 0) for a in args)
         if not result and not empty:
@@ -259,6 +265,20 @@ def verify(name: str, model: nn.Module, result: Any, args: list[Any], kw: dict[s
     if name == "AuditReport.from_json":
         return "from_json accepted text to_json never wrote"
     return f"no checker for {name}"
+
+
+def _positions_out_of_range(value: Any) -> bool:
+    """Whether a learn/skip value holds an integer position no block has (it must be refused,
+    not wrapped around to another block)."""
+    items = [value] if isinstance(value, (int, np.integer)) else value
+    if isinstance(items, torch.Tensor) or not isinstance(items, (list, set, tuple)):
+        return False
+    return any(
+        isinstance(v, (int, np.integer))
+        and not isinstance(v, bool)
+        and not -N_BLOCKS <= v < N_BLOCKS
+        for v in items
+    )
 
 
 def _verify_cut(model: nn.Module, gate: Any) -> str:
@@ -440,6 +460,10 @@ def test_every_call_applies_what_it_says_or_refuses(call: tuple[str, list, dict]
         ("BackpropGate", [["**"]], {}),
         ("gate.depth", [torch.tensor([1, 2])], {}),
         ("gate.skip", [{1}], {}),
+        ("gate.learn", [N_BLOCKS], {}),
+        ("gate.learn", [{-N_BLOCKS - 1}], {}),
+        ("gate.skip", [{0, N_BLOCKS}], {}),
+        ("gate.skip", [-N_BLOCKS - 1], {}),
         ("stop_gradient_at", ["unused"], {}),
         ("AuditReport.from_json", ["not json"], {}),
         ("compile_blocks", [], {"bakend": "eager"}),

@@ -50,6 +50,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:transformers.*"),
     pytest.mark.filterwarnings("ignore::UserWarning:accelerate.*"),
     pytest.mark.filterwarnings("ignore::UserWarning:torch.*"),
+    # tied GPT-2 under a depth plan: the embedding's use before the cut gets no gradient
+    pytest.mark.filterwarnings("ignore::gradgate.SharedParameterWarning"),
 ]
 
 
@@ -239,7 +241,9 @@ def test_hf_random_depth_update_equals_reference(tmp_path: Path) -> None:
 
 
 def test_hf_lisa_update_equals_reference(tmp_path: Path) -> None:
-    schedule = gg.schedules.LISA(N, k=1, every=1, always=["transformer.wte"], seed=3)
+    schedule = gg.schedules.LISA(
+        N, k=1, every=1, always=["transformer.wte"], embeddings=False, seed=3
+    )
     drawn = [schedule.plan(s).learning(N) for s in range(STEPS)]
     assert len(set(drawn)) > 1, drawn
     model, trainer, recorder = train(schedule, tmp_path)
@@ -261,7 +265,9 @@ def test_hf_dropbp_update_equals_reference(tmp_path: Path) -> None:
 
 def test_hf_reference_check_fails_on_a_wrong_learning_rate(tmp_path: Path) -> None:
     """The comparison is not vacuous: the same run checked against lr * 1.01 fails."""
-    schedule = gg.schedules.LISA(N, k=1, every=1, always=["transformer.wte"], seed=3)
+    schedule = gg.schedules.LISA(
+        N, k=1, every=1, always=["transformer.wte"], embeddings=False, seed=3
+    )
     _, _, recorder = train(schedule, tmp_path)
     with pytest.raises(AssertionError):
         check_steps(schedule, recorder, lr=LR * 1.01)

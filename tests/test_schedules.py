@@ -246,7 +246,7 @@ def test_depth_schedules_set_the_gate_depth() -> None:
 
 def test_lisa_on_a_gate_trains_exactly_the_drawn_blocks() -> None:
     net = residual_net()
-    sched = LISA(N, k=2, every=1, always=["embed"], seed=0)
+    sched = LISA(N, k=2, every=1, seed=0)  # the embedding learns by default (the paper's LISA)
     x = torch.randn(5, 3)
     with gg.BackpropGate(net, "blocks.*") as gate:
         for step in range(8):
@@ -329,7 +329,7 @@ def test_every_plan_fits_its_gate_and_is_reproducible(schedule, steps: list[int]
             assert gate.skip == plan.skip
             if plan.learn is None:
                 assert gate.depth == plan.depth
-            else:
+            else:  # a Sequential of Linear layers: no module around the blocks to name
                 assert gate.learn == plan.learn
             assert not (schedule.finished(step) & plan.learning(schedule.n))
 
@@ -369,3 +369,182 @@ def test_lisa_always_of_positions_block_names_and_inner_names(always, k, seed) -
                 for module_name, module in model.named_modules():
                     if module_name == name or (name == "blocks.*.f" and module_name.endswith(".f")):
                         assert all(p in optimizer.state for p in module.parameters()), name
+
+
+# -- LISA is the paper's method by default; embeddings=False is the cheaper variant ------------
+def tiny_lm(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+            bos_token_id=0, eos_token_id=0, use_cache=False, tie_word_embeddings=False,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config).eval()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=16, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, use_cache=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+LAYERS = {"gpt2": "transformer.h", "llama": "model.layers"}
+EMBEDDINGS = {"gpt2": {"transformer.wte", "transformer.wpe"}, "llama": {"model.embed_tokens"}}
+
+
+def _lmflow_grads(model: nn.Module, kind: str, drawn: set[int], ids: torch.Tensor) -> dict:
+    """LMFlow's LISA by hand: the layers not drawn have requires_grad=False, the rest learns."""
+    reference = copy.deepcopy(model)
+    for i, layer in enumerate(reference.get_submodule(LAYERS[kind])):
+        layer.requires_grad_(i in drawn)
+    named = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(reference(ids).logits.pow(2).mean(), [p for _, p in named])
+    return {n: g for (n, _), g in zip(named, grads, strict=True)}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_lisa_by_default_trains_the_embeddings_norm_and_head_at_every_step(kind: str) -> None:
+    model = tiny_lm(kind)
+    sched = LISA(4, k=1, every=1, seed=5)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with gg.BackpropGate(model) as gate:
+        for step in range(6):
+            plan = sched.apply(gate, step)
+            assert plan.embeddings and EMBEDDINGS[kind] <= gate.learn  # named on the gate
+            model.zero_grad(set_to_none=True)
+            model(ids).logits.pow(2).mean().backward()
+            expected = _lmflow_grads(model, kind, set(plan.learning(4)), ids)
+            got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert sorted(got) == sorted(expected), step
+            for name, grad in expected.items():
+                torch.testing.assert_close(got[name], grad)
+
+
+def test_lisa_without_embeddings_stops_the_backward_at_the_earliest_drawn_block() -> None:
+    model = tiny_lm("gpt2")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    flops = {}
+    for embeddings in (True, False):
+        sched = LISA(4, k=1, every=1, embeddings=embeddings, seed=2)
+        with gg.BackpropGate(model) as gate:
+            plan = sched.apply(gate, 0)
+            gate_learn = gate.learn
+            model.zero_grad(set_to_none=True)
+            with gg.audit(model) as report:
+                model(ids).logits.pow(2).mean().backward()
+        flops[embeddings] = report.totals["backward_flops"]
+        learned = {n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.grad is not None}
+        assert ("transformer.wte" in learned) is embeddings
+        assert ("transformer.wpe" in learned) is embeddings
+        assert {"transformer.ln_f", "lm_head"} <= learned  # after the last block: always
+        assert bool(EMBEDDINGS["gpt2"] & gate_learn) is embeddings
+    assert plan.learning(4) == {3}  # seed 2 draws the last block: nothing below it runs backward
+    assert flops[False] < 0.6 * flops[True]
+
+
+def test_lisa_embeddings_option_is_in_its_config_state_and_repr() -> None:
+    assert LISA(4).embeddings is True
+    cheap = LISA(4, k=1, embeddings=False)
+    assert cheap.state_dict()["config"]["embeddings"] is False
+    assert "embeddings=False" in repr(cheap)
+    with pytest.raises(gg.InvalidOptionError, match=r"config is .*'embeddings': True.* but this"):
+        cheap.load_state_dict(LISA(4, k=1).state_dict())
+    with pytest.raises(gg.InvalidOptionError, match=r"embeddings='yes'; expected True or False"):
+        LISA(4, embeddings="yes")  # type: ignore[arg-type]
+
+
+def test_lisa_embeddings_keep_their_optimizer_state_when_blocks_rest() -> None:
+    model = residual_net()
+    sched = LISA(N, k=1, every=1, seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        for step in range(4):
+            plan = sched.apply(gate, step)
+            model(torch.randn(2, 3)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            gg.optim.drop_finished(optimizer, gate, sched, step + 1)
+            assert all(p in optimizer.state for p in model.embed.parameters())
+            assert all(p in optimizer.state for p in model.head.parameters())
+            with_state = {i for i, b in enumerate(model.blocks) if b.f.weight in optimizer.state}
+            assert with_state <= plan.learning(N) & sched.plan(step + 1).learning(N)
+
+
+# -- integer options: a bool is not an integer; block positions stop at n - 1 and -n -----------
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: LISA(True),
+        lambda: LISA(4, k=True),
+        lambda: LISA(4, True),
+        lambda: LISA(4, every=True),
+        lambda: LISA(4, always=[True]),
+        lambda: LISA(4, seed=True),
+        lambda: RandomDepth(4, low=True),
+        lambda: RandomDepth(4, 1, True),
+        lambda: GradualUnfreeze(4, every=True),
+        lambda: GradualUnfreeze(4, every=2, start=True),
+        lambda: GradualUnfreeze(4, every=2, by=True),
+        lambda: FreezeOut(4, total_steps=True),
+        lambda: FreezeOut(4, stops=[True, 1, 2, 3]),
+        lambda: DropBP(4, True),
+        lambda: GradualUnfreeze(4, every=2).plan(True),
+        lambda: LISA(4).finished(True),
+        lambda: LISA(4).resting(True),
+        lambda: FreezeOut(4, total_steps=9).finished(True),
+    ],
+)
+def test_a_bool_is_refused_as_an_integer_option(build) -> None:
+    with pytest.raises(gg.InvalidOptionError, match=r"=True"):
+        build()
+
+
+def test_apply_and_load_state_dict_refuse_a_bool_step_and_leave_the_state() -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    sched = GradualUnfreeze(4, every=2)
+    with gg.BackpropGate(net) as gate:
+        with pytest.raises(gg.InvalidOptionError, match=r"step=True \(bool\)"):
+            sched.apply(gate, True)
+        assert (gate.depth, sched.next_step) == (None, 0)
+    for key in ("next_step", "seed"):
+        state = {**sched.state_dict(), key: True}
+        with pytest.raises(gg.InvalidOptionError, match=rf"{key}=True \(bool\)"):
+            sched.load_state_dict(state)
+        assert (sched.next_step, sched.seed) == (0, 0)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_lisa_always_positions_stop_at_the_block_count(n: int) -> None:
+    for bad in (n, -n - 1):
+        with pytest.raises(gg.InvalidOptionError, match=rf"always entry={bad} is out of range"):
+            LISA(n, k=0, always=[bad])
+    assert LISA(n, k=0, always=[n - 1]).plan(0).learn == {n - 1}
+    assert LISA(n, k=0, always=[-n]).plan(0).learn == {0}
+
+
+def test_lisa_plans_stay_a_pure_function_of_seed_and_step_once_applied() -> None:
+    model = residual_net()
+    applied = LISA(N, k=2, every=2, seed=4)
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        plans = [applied.apply(gate, step) for step in range(8)]
+        assert gate.learn == plans[-1].learn | {"embed", "head"}
+    fresh = LISA(N, k=2, every=2, seed=4)  # never saw a gate: the same plans
+    assert plans == [fresh.plan(step) for step in range(8)]
+    assert all(plan.embeddings for plan in plans)
+
+
+def test_a_plan_with_embeddings_names_the_modules_around_the_blocks() -> None:
+    model = residual_net()
+    with gg.BackpropGate(model, "blocks.*") as gate:
+        Plan(learn=frozenset({2}), embeddings=True).apply(gate)
+        assert gate.learn == {2, "embed", "head"}
+        Plan(learn=frozenset({2})).apply(gate)
+        assert gate.learn == {2}
+    assert repr(Plan(learn=frozenset({2}), embeddings=True)) == "Plan(learn=[2], embeddings=True)"
+    for bad in ({"depth": 1, "embeddings": True}, {"embeddings": 1, "learn": frozenset({1})}):
+        with pytest.raises(gg.InvalidOptionError, match=r"expected embeddings=True only with"):
+            Plan(**bad)  # type: ignore[arg-type]

@@ -6,7 +6,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torch import nn
+
 from ._errors import InvalidOptionError
+from ._stacks import outside_modules
 
 
 class Gate(Protocol):
@@ -24,7 +27,9 @@ class Plan:
 
     ``depth=None`` with ``learn=None`` means no cut (every block learns). ``learn`` holds block
     positions and/or module names; ``skip`` holds block positions that run with no graph while
-    the gradient passes around them (DropBP).
+    the gradient passes around them (DropBP). ``embeddings=True`` (with ``learn``) lets the
+    modules with parameters around the blocks learn too: the embeddings, the final norm, the
+    head (LISA's default); :meth:`apply` names them on the gate.
 
     >>> Plan(learn=frozenset({1, 3})).learning(5)
     frozenset({1, 3})
@@ -35,12 +40,18 @@ class Plan:
     depth: int | None = None
     learn: frozenset[int | str] | None = None
     skip: frozenset[int] = field(default_factory=frozenset)
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.depth is not None and self.learn is not None:
             raise InvalidOptionError(
                 f"Plan(depth={self.depth!r}, learn={set(self.learn)!r}) sets both; expected "
                 "one of them (depth=k is learn={n-k, ..., n-1})."
+            )
+        if self.embeddings is not False and (self.embeddings is not True or self.learn is None):
+            raise InvalidOptionError(
+                f"Plan(embeddings={self.embeddings!r}, learn={self.learn!r}); expected "
+                "embeddings=True only with a learn set (depth=None already trains everything)."
             )
 
     def apply(self, gate: Gate) -> None:
@@ -54,7 +65,7 @@ class Plan:
 
     def _write(self, gate: Gate) -> None:
         if self.learn is not None:
-            gate.learn = self.learn
+            gate.learn = self.learn | around_blocks(gate) if self.embeddings else self.learn
         else:
             gate.depth = self.depth
         gate.skip = self.skip
@@ -88,10 +99,24 @@ class Plan:
             parts.append(f"depth={self.depth}")
         if self.skip:
             parts.append(f"skip={sorted(self.skip)}")
+        if self.embeddings:
+            parts.append("embeddings=True")
         return f"Plan({', '.join(parts)})"
 
 
 Plan.__module__ = "gradgate.schedules"  # documented and pickled as gg.schedules.Plan
+
+
+def around_blocks(gate: Any) -> frozenset[str]:
+    """Names of the modules with parameters around a gate's blocks (embeddings, final norms,
+    heads): what LISA trains at every step besides its drawn blocks."""
+    model: nn.Module = gate._model
+    names = {id(module): name for name, module in model.named_modules()}
+    return frozenset(
+        names[id(module)]
+        for module in outside_modules(model, gate._points)
+        if id(module) in names and any(True for _ in module.parameters())
+    )
 
 
 def sorted_items(items: Iterable[int | str]) -> list[int | str]:

@@ -15,13 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import (
-    AmbiguousBlocksError,
-    AmbiguousNameError,
-    InvalidOptionError,
-    NoBlocksError,
-    UnknownModuleError,
-)
+from ._block_discovery import find_blocks
+from ._errors import AmbiguousNameError, InvalidOptionError, UnknownModuleError
 
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")
@@ -32,47 +27,50 @@ _ROOT_BLOCK = " matches the model itself, not a block inside it; expected e.g. b
 def blocks(model: nn.Module) -> list[str]:
     """Qualified names of the model's main repeated block sequence, in order.
 
-    The sequence is an ``nn.ModuleList`` / ``nn.Sequential`` (its members with parameters), or
+    The sequence is an ``nn.ModuleList`` / ``nn.Sequential`` (its members with parameters; in
+    a flat one of single layers, the layers of its most frequent class, never norm layers), or
     a run of consecutive same-class composite children (CNN stages), holding the most
     parameters. Two or more comparable stacks that do not contain each other (encoder and
-    decoder, two towers) raise :class:`AmbiguousBlocksError` with a ``blocks=`` line to paste.
+    decoder, two towers) raise :class:`AmbiguousBlocksError` with a ``blocks=`` line to paste;
+    a module that looks like one block of a bigger model raises :class:`NoBlocksError`.
 
     >>> import gradgate as gg
     >>> from torch import nn
     >>> gg.blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
     ['0', '2']
+    >>> gg.blocks(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.Linear(4, 1)))
+    ['0', '2', '3']
     """
     check_module(model)
-    scored = sorted(
-        (
-            (_score(members), owner, [n for n, _ in members])
-            for owner, members in _candidates(model)
-        ),
-        key=lambda item: item[0],
-        reverse=True,
-    )
-    if not scored:
-        raise NoBlocksError(_no_blocks_message(model))
-    best_score, _, best = scored[0]
-    rivals = [
-        names
-        for score, _, names in scored[1:]
-        if score[0] == best_score[0] and 3 * score[1] >= best_score[1] and _disjoint(names, best)
-    ]
-    if rivals:
-        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-        stacks = sorted([best, *rivals], key=lambda names: order[names[0]])
-        raise AmbiguousBlocksError(_ambiguous_message(model, stacks))
-    return best
+    return find_blocks(model)
 
 
 def check_module(model: object) -> None:
-    """Raise unless ``model`` is an ``nn.Module``."""
+    """Raise unless ``model`` is an ``nn.Module`` whose parameters and buffers have shapes."""
     if not isinstance(model, nn.Module):
         raise UnknownModuleError(
             f"expected a torch.nn.Module, got {type(model).__name__} ({model!r:.60}). Pass the "
             "model itself (for a DDP or compiled model, the wrapper or its .module both work)."
         )
+    lazy = _first_lazy(model)
+    if lazy is not None:
+        name, module = lazy
+        raise UnknownModuleError(
+            f"{type(model).__name__} is not initialized yet: {name!r} ({type(module).__name__})"
+            " is a lazy parameter whose shape its first forward decides, and gradgate needs "
+            "the shapes to find blocks, freeze and plan. Expected an initialized model: run one "
+            "forward first (model(example_input)), then make this call."
+        )
+
+
+def _first_lazy(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(qualified name, module) of the first uninitialized (lazy) parameter or buffer."""
+    for prefix, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in tensors:
+            if nn.parameter.is_lazy(tensor):
+                return (f"{prefix}.{name}" if prefix else name), module
+    return None
 
 
 def select(model: nn.Module, *patterns: Pattern) -> list[str]:
@@ -139,6 +137,7 @@ def resolve_blocks(
             f"blocks={spec!r} names no block; expected at least one block name, glob or "
             "position, e.g. blocks=['h.0', 'h.1'], or None to find them with gg.blocks(model)."
         )
+    given = spec
     spec = check_patterns(
         "blocks=", (spec,) if isinstance(spec, (str, int, slice)) else tuple(spec), model=model
     )
@@ -147,12 +146,19 @@ def resolve_blocks(
         for name, module in resolve_modules(model, [pattern]):
             if module is model:
                 raise UnknownModuleError(f"blocks={spec!r:.80}: {pattern!r}{_ROOT_BLOCK}")
-            found.setdefault(id(module), (name, module))
+            if id(module) in found:  # it would count twice in depth and run its hooks twice
+                raise InvalidOptionError(
+                    f"blocks={given!r:.100} names the block {name!r} twice (directly, by a glob "
+                    "or by position); expected each block once, in the order they run "
+                    "(gg.blocks(model) lists the blocks it finds)."
+                )
+            found[id(module)] = (name, module)
     return list(found.values())
 
 
-def find_module(model: nn.Module, name: str) -> tuple[str, nn.Module]:
-    """Exactly one module for an exact name (or dotted suffix); errors when ambiguous."""
+def find_module(model: nn.Module, name: str | int) -> tuple[str, nn.Module]:
+    """Exactly one module for an exact name (or dotted suffix) or a block position; errors
+    when ambiguous."""
     matches = resolve_modules(model, [name])
     if len(matches) > 1:
         listed = ", ".join(repr(found) for found, _ in matches[:6])
@@ -214,7 +220,7 @@ def _match(model: nn.Module, pattern: Pattern, *, include_parameters: bool) -> l
 
 
 def _match_block_positions(model: nn.Module, pattern: int | slice) -> list[str]:
-    names = blocks(model)
+    names = find_blocks(model)
     if isinstance(pattern, slice):
         return names[pattern]
     if not -len(names) <= pattern < len(names):
@@ -274,97 +280,6 @@ def _unknown_message(model: nn.Module, pattern: str, include_parameters: bool) -
     return (
         f"{pattern!r} matches no {what} of {type(model).__name__}; expected a qualified name "
         f"(or a dotted suffix of one), a glob or a range.{hint} gg.select(model, '**') lists all."
-    )
-
-
-def _candidates(model: nn.Module) -> Iterable[tuple[str, list[tuple[str, nn.Module]]]]:
-    """Repeated sequences: container members, or runs of same-class composite children."""
-    for owner, module in model.named_modules():
-        children = [
-            (f"{owner}.{name}" if owner else name, child)
-            for name, child in module.named_children()
-            if any(True for _ in child.parameters())
-        ]
-        if isinstance(module, (nn.Sequential, nn.ModuleList)):
-            if len(children) >= 2:
-                yield owner, children
-            continue
-        run: list[tuple[str, nn.Module]] = []
-        for item in [*children, None]:
-            if item is not None and run and type(item[1]) is type(run[-1][1]):
-                run.append(item)
-                continue
-            if len(run) >= 2 and _is_run_member(run[0][1]):
-                yield owner, run
-            run = [item] if item is not None else []
-
-
-def _is_run_member(module: nn.Module) -> bool:
-    """A composite module with a forward that is not itself a stack holder (T5's encoder)."""
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(
-        True for _ in module.children()
-    ):
-        return False
-    if isinstance(module, nn.Sequential):
-        return True  # a CNN stage
-    return not any(
-        isinstance(inner, (nn.ModuleList, nn.Sequential))
-        and sum(1 for c in inner.children() if any(True for _ in c.parameters())) >= 2
-        for inner in module.modules()
-    )
-
-
-def _score(members: list[tuple[str, nn.Module]]) -> tuple[int, int, int, int]:
-    """Composite blocks first, then parameters covered, then count, then the outermost."""
-    composite = int(all(any(True for _ in m.children()) for _, m in members))
-    covered = sum(p.numel() for _, m in members for p in m.parameters())
-    depth = members[0][0].count(".")
-    return composite, covered, len(members), -depth
-
-
-def _disjoint(names: list[str], others: list[str]) -> bool:
-    """Neither sequence lies inside (or overlaps) a member of the other."""
-
-    def inside(name: str, group: list[str]) -> bool:
-        return any(name == g or name.startswith(f"{g}.") or g.startswith(f"{name}.") for g in group)
-
-    return not any(inside(n, others) for n in names)
-
-
-def _pattern_for(names: list[str]) -> str:
-    owner = names[0].rpartition(".")[0]
-    if all(n.rpartition(".")[0] == owner for n in names) and owner:
-        return f"{owner}.*" if len(names) > 1 else names[0]
-    return ", ".join(repr(n) for n in names)
-
-
-def _ambiguous_message(model: nn.Module, stacks: list[list[str]]) -> str:
-    listed = "; ".join(f"{_pattern_for(s)} ({len(s)} blocks)" for s in stacks)
-    paste = ", ".join(repr(_pattern_for(s)) for s in stacks)
-    return (
-        f"{type(model).__name__} has {len(stacks)} comparable block stacks: {listed}. gradgate "
-        "does not guess which one depth counts over. Pass them in the order your model runs "
-        f"them, e.g. blocks=[{paste}] (both stacks, depth counts from the end of the last; "
-        "listed here as registered: a gate checks the order at its first forward), or just one "
-        "of them."
-    )
-
-
-def _no_blocks_message(model: nn.Module) -> str:
-    module, prefix = model, ""
-    while True:
-        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-        if len(children) != 1:
-            break
-        prefix = f"{prefix}{children[0][0]}."
-        module = children[0][1]
-    names = [f"{prefix}{n}" for n, _ in children][:3]
-    example = f"blocks={names!r}" if names else "blocks=['<module name>', ...]"
-    return (
-        f"found no repeated block sequence in {type(model).__name__}: no nn.ModuleList, "
-        "nn.Sequential or run of same-class children holds two or more blocks with parameters. "
-        f"Pass the blocks explicitly, in the order they run, e.g. {example}; a layer your model "
-        "calls several times (ALBERT's shared layer, a universal transformer) is one block."
     )
 
 

@@ -170,31 +170,40 @@ class RandomDepth(Schedule):
 
 
 class LISA(Schedule):
-    """LISA: ``k`` random blocks learn, resampled every ``every`` steps; ``always`` learn too.
+    """LISA: ``k`` random blocks learn, redrawn every ``every`` steps; all else learns always.
 
-    ``always`` holds block positions and/or module names (the embeddings, e.g.
-    ``"model.embed_tokens"``); the ``k`` blocks are drawn among the others. Names of blocks
-    (``"model.layers.0"``) count as their positions once the schedule has seen the gate (the
-    first :meth:`apply`): no draw is spent on them and their optimizer state is kept; modules
-    named inside blocks (``"model.layers.*.input_layernorm"``) learn at every step and keep
-    their state too.
+    As in the paper (Pan et al. 2024, Algorithm 1) and LMFlow, the modules with parameters
+    around the blocks (the embeddings, the final norm, the head) learn at every step: the plan
+    says ``embeddings=True`` and :meth:`apply` names them on the gate. The gradient then passes
+    through every block; the blocks not drawn compute their input gradient but no weight
+    gradient, and keep no optimizer state (:func:`gradgate.optim.drop_finished` and the trainer
+    callbacks drop it at each redraw, as LMFlow's LISA does).
 
-    **Unlike LISA's Algorithm 1 and LMFlow, the embeddings do not learn by default**: only
-    what runs after the last block does. gradgate's default lets the backward stop at the
-    earliest drawn block (no graph, no backward below it). For the paper's method name every
-    module that runs before the blocks: ``always=["model.embed_tokens"]`` (Llama),
-    ``always=["transformer.wte", "transformer.wpe"]`` (GPT-2: the position embedding too).
+    ``embeddings=False`` is the cheaper variant: what runs before the blocks does not learn, so
+    the backward stops at the earliest drawn block (no graph, no backward below it); what runs
+    after the last block still learns.
 
-    Blocks between the earliest learner and the head
-    that were not drawn pass gradients but get none, and keep no optimizer state: at each redraw
-    :func:`gradgate.optim.drop_finished` (and the trainer callbacks) drop the state of the
-    blocks that were not drawn again, as LMFlow's LISA does.
+    ``always`` holds block positions and/or module names that learn at every step too. Names of
+    blocks (``"model.layers.0"``) count as their positions once the schedule has seen the gate
+    (the first :meth:`apply`): no draw is spent on them and their optimizer state is kept;
+    modules named inside blocks (``"model.layers.*.input_layernorm"``) learn at every step and
+    keep their state too.
 
-    >>> sched = LISA(8, k=2, every=5, always=["embed"], seed=1)
+    >>> sched = LISA(8, k=2, every=5, seed=1)
     >>> sched.plan(0) == sched.plan(4), sched.plan(0).learning(8) == sched.plan(5).learning(8)
     (True, False)
-    >>> sched.plan(0)
-    Plan(learn=[0, 1, 'embed'])
+    >>> sched.plan(0), LISA(8, k=2, every=5, embeddings=False, seed=1).plan(0)
+    (Plan(learn=[0, 1], embeddings=True), Plan(learn=[0, 1]))
+    >>> import torch, gradgate as gg
+    >>> from collections import OrderedDict
+    >>> blocks = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(8)])
+    >>> parts = dict(embed=torch.nn.Linear(3, 3), blocks=blocks, head=torch.nn.Linear(3, 1))
+    >>> net = torch.nn.Sequential(OrderedDict(parts))
+    >>> gate = gg.BackpropGate(net, "blocks.*")
+    >>> _ = sched.apply(gate, 0)
+    >>> sorted(gate.learn, key=str)
+    [0, 1, 'embed', 'head']
+    >>> gate.remove()
     """
 
     def __init__(
@@ -204,18 +213,25 @@ class LISA(Schedule):
         *,
         every: int = 20,
         always: Iterable[int | str] = (),
+        embeddings: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(n, seed=seed)
         self.every = count_option("every", every, low=1)
         self.always = learn_items_option("always", always, self.n)
+        if not isinstance(embeddings, bool):
+            raise InvalidOptionError(
+                f"embeddings={embeddings!r}; expected True or False (False: what runs before "
+                "the blocks does not learn, and the backward stops at the earliest drawn block)."
+            )
+        self.embeddings = embeddings
         self._always = self.always  # names that are blocks become positions in _bind
         self._bound: Any = None
         self._pool = [i for i in range(self.n) if i not in self.always]
         self.k = count_option("k", k, low=0, high=len(self._pool))
 
     def _plan(self, step: int) -> Plan:
-        return Plan(learn=self._drawn(step) | self._always)
+        return Plan(learn=self._drawn(step) | self._always, embeddings=self.embeddings)
 
     def _bind(self, gate: Any) -> None:
         """Names in ``always`` that are blocks learn as those positions: no draw is spent on
@@ -242,7 +258,13 @@ class LISA(Schedule):
         return frozenset(self._rng(step // self.every).sample(self._pool, self.k))
 
     def _config(self) -> dict[str, Any]:
-        return {"n": self.n, "k": self.k, "every": self.every, "always": sorted_items(self.always)}
+        return {
+            "n": self.n,
+            "k": self.k,
+            "every": self.every,
+            "always": sorted_items(self.always),
+            "embeddings": self.embeddings,
+        }
 
 
 class DropBP(Schedule):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .._errors import InvalidOptionError
+from .._select import check_module
 from .kernels import require_cuda
 from .records import ModuleRecord, WastedGradient
 from .report import AuditReport
@@ -60,6 +61,7 @@ def _check_arguments(model: object, optimizer: object, kernels: object) -> None:
             f"gg.audit(model=...) got {type(model).__name__} {_short(model)}; expected a "
             "torch.nn.Module: pass the model whose backward you want to audit."
         )
+    check_module(model)  # a lazy model: refused with the fix before any hook goes on
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(
             f"gg.audit(optimizer=...) got {type(optimizer).__name__} {_short(optimizer)}; "

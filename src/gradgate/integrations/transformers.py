@@ -4,7 +4,7 @@ Usage (``n`` is the number of blocks, ``len(gg.blocks(model))``)::
 
     from gradgate.integrations.transformers import GateCallback
 
-    callback = GateCallback(gg.schedules.LISA(n, k=2, every=20, always=["model.embed_tokens"]))
+    callback = GateCallback(gg.schedules.LISA(n, k=2, every=20))
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     callback.put_first(trainer)  # so that reporters (wandb, TensorBoard) see the numbers too
     trainer.train()
