@@ -255,6 +255,9 @@ def release(held: list[nn.Parameter]) -> None:
 
 
 # -- scenarios ------------------------------------------------------------------------------------
+FORGOTTEN = r"gg\.integrations\.deepspeed\.step_learners_only\(engine\)"
+
+
 def plain_deepspeed_moves_blocks_that_did_not_learn(rank: int, record: dict[str, Any]) -> None:
     """Why the integration exists: without it ZeRO steps the zeros of the cut blocks."""
     moved = {}
@@ -266,11 +269,67 @@ def plain_deepspeed_moves_blocks_that_did_not_learn(rank: int, record: dict[str,
         gate.depth = 1
         before = full_params(engine, stage)["1.linear.weight"]
         engine.backward(loss_of(engine, batch(rank, 1)))
-        engine.step()
+        with pytest.warns(gg.GradgateWarning, match=FORGOTTEN):  # the missing line, asked for
+            engine.step()
         moved[stage] = float((full_params(engine, stage)["1.linear.weight"] - before).abs().max())
         gate.remove()
     record["moved"] = moved
     assert all(value > 0 for value in moved.values()), moved
+
+
+def forgetting_step_learners_only_warns_with_the_line_to_add(
+    rank: int, record: dict[str, Any]
+) -> None:
+    """A gate on a ZeRO engine with no step_learners_only: the first step whose plan leaves a
+    block out warns, with the line to add, before the step (raised as an error, nothing moves).
+    Once added, or with no block left out, nothing is said; stage 0 (a torch optimizer holding
+    the model's own parameters) needs no handle: no block that did not learn moves."""
+    import warnings
+
+    import gradgate.integrations.deepspeed as ggds
+
+    said: dict[int, list[str]] = {}
+    for stage in (0, 1, 2, 3):
+        engine = engine_for(make_model(), stage, gas=1)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.backward(loss_of(engine, batch(rank, 0)))
+            engine.step()  # every block learned: nothing to say
+            gate.depth = 2
+            before = full_params(engine, stage)
+            for micro in (1, 2):  # warned once per optimizer; the steps go ahead, as DeepSpeed's
+                engine.backward(loss_of(engine, batch(rank, micro)))
+                engine.step()
+        said[stage] = [str(w.message) for w in caught if issubclass(w.category, gg.GradgateWarning)]
+        moved = full_params(engine, stage)["1.linear.weight"] - before["1.linear.weight"]
+        assert bool(moved.abs().max() > 0) == (stage > 0), stage  # what the warning is about
+        gate.remove()
+        if stage:  # raised as an error (-W error): before ZeRO's step moved anything
+            engine = engine_for(make_model(), stage, gas=1)
+            gate = gg.BackpropGate(engine.module, blocks=BLOCKS, depth=2)
+            before = full_params(engine, stage)
+            engine.backward(loss_of(engine, batch(rank, 0)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(gg.GradgateWarning, match=FORGOTTEN):
+                    engine.step()
+            after = full_params(engine, stage)
+            assert all(torch.equal(after[name], value) for name, value in before.items())
+            gate.remove()
+    record["said"] = said
+    assert said[0] == [] and all(len(said[stage]) == 1 for stage in (1, 2, 3)), said
+    assert "ZeRO stage 3" in said[3][0] and "ZeRO stage 1 or 2" in said[1][0]
+    for stage in (1, 3):  # with the handle: nothing to say, and the cut blocks stay put
+        engine = engine_for(make_model(), stage, gas=1)
+        handle = ggds.step_learners_only(engine)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS, depth=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gg.GradgateWarning)
+            engine.backward(loss_of(engine, batch(rank, 0)))
+            engine.step()
+        gate.remove()
+        handle.remove()
 
 
 def refuses_what_it_cannot_make_exact(rank: int, record: dict[str, Any]) -> None:
@@ -478,6 +537,7 @@ def make_exact(
 
 SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     plain_deepspeed_moves_blocks_that_did_not_learn,
+    forgetting_step_learners_only_warns_with_the_line_to_add,
     refuses_what_it_cannot_make_exact,
     remove_gives_deepspeed_its_step_and_the_state_back,
     checkpoint_keeps_each_stretch_state,

@@ -168,3 +168,28 @@ def test_report_without_graphviz_says_how_to_install_it(monkeypatch: pytest.Monk
     monkeypatch.setenv("PATH", "")  # no `dot` program to be found
     assert "apt-get install graphviz" in _page._graph_svg(picture)
     assert _page._legend([scenario]) == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "text"),
+    [
+        (0, "", "0"),
+        (999, "", "999"),
+        (1000, "", "1.00 k"),
+        (2048, "B", "2.05 kB"),
+        (12_345, "", "12.3 k"),
+        (999_499, "", "999 k"),
+        (999_500, "", "1.00 M"),  # not "1e+03 k"
+        (1_234_567, "", "1.23 M"),
+        (999_999_999, "", "1.00 G"),  # not "1e+03 M"
+        (123_456_789_012, "", "123 G"),
+        (4.56e12, "", "4.56 T"),
+        (-2_500_000, "B", "-2.50 MB"),
+    ],
+)
+def test_the_demos_numbers_take_the_prefix_their_rounded_value_needs(
+    value: float, unit: str, text: str
+) -> None:
+    from gradgate._demo._tables import human_count
+
+    assert human_count(value, unit) == text

@@ -133,6 +133,39 @@ def test_grad_and_optimizer_bytes_equal_a_real_step(optimizer: str) -> None:
     assert plan[0].param_bytes == sum(p.nbytes for p in model.parameters())
 
 
+class TwoHeads(nn.Module):
+    """A forward that returns two tensors, each from its own head (policy and value, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.policy = nn.Linear(4, 3)
+        self.value = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.policy(x), self.value(x)
+
+
+def test_the_learners_of_every_output_count_not_only_the_first() -> None:
+    """Gradient and optimizer bytes of a two-head model equal a real step's, where the loss
+    sums both outputs: each head learns, at every depth."""
+    model, x = TwoHeads(), torch.randn(5, 4)
+    plan = gg.estimate(model, x, depths=[0, 1, 3], optimizer="adam")
+    for row in plan.rows:
+        with gg.backprop_depth(model, row.depth):
+            policy, value = model(x)
+            (policy.sum() + value.sum()).backward()
+        grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        learners = sum(p.grad is not None for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+        assert row.grad_bytes == grads, row
+        assert row.optimizer_bytes == 2 * grads + 4 * learners, row
+    assert plan[0].grad_bytes == (4 * 3 + 3 + 4 + 1) * 4  # both heads: 80 bytes, not 60 or 20
+
+
 def test_peak_is_the_sum_of_the_four_figures() -> None:
     model, batch, _ = llama()
     for row in gg.estimate(model, **batch).rows:
@@ -221,6 +254,24 @@ def test_budget_strings(text: str, expected: int) -> None:
     from gradgate._memory_plan import parse_bytes
 
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (2**20 - 1, "1.00 MiB"),  # not "1024.00 KiB"
+        (2**20 - 6, "1023.99 KiB"),
+        (3 * 2**29, "1.50 GiB"),
+        (2**40 - 1, "1.00 TiB"),
+        (2**50, "1024.00 TiB"),
+    ],
+)
+def test_bytes_are_written_with_the_unit_their_rounded_value_needs(size: int, text: str) -> None:
+    from gradgate._memory_plan import format_bytes
+
+    assert format_bytes(size) == text
 
 
 def test_table_json_and_html() -> None:

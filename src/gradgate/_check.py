@@ -2,16 +2,18 @@
 
 Each finding has a stable ``code``:
 
-========================  ==================================================================
-``frozen-in-optimizer``   a frozen parameter the optimizer still holds has a ``.grad`` tensor,
-                          so momentum, weight decay or Adam state will move it
-``requires-grad-attr``    ``module.requires_grad = False`` set as a plain attribute
-``norm-in-frozen``        a norm layer with frozen parameters still updates running statistics
-``not-in-optimizer``      a parameter requires grad but is in no optimizer group (wasted wgrad)
-``param-in-two-groups``   the same parameter in two optimizer groups (or two optimizers)
-``eval-builds-graph``     the model is in ``eval()`` but ``loss`` still carries a graph
-``late-freeze``           ``requires_grad`` was turned off after the forward that built ``loss``
-========================  ==================================================================
+===========================  ==================================================================
+``frozen-in-optimizer``      a frozen parameter the optimizer still holds has a ``.grad`` tensor,
+                             so momentum, weight decay or Adam state will move it
+``requires-grad-attr``       ``module.requires_grad = False`` set as a plain attribute
+``norm-in-frozen``           a norm layer with frozen parameters still updates running statistics
+``not-in-optimizer``         a parameter requires grad but is in no optimizer group (wasted wgrad)
+``param-in-two-groups``      the same parameter in two optimizer groups (or two optimizers)
+``optimizer-not-for-model``  an optimizer holds none of the model's parameters (said once,
+                             not once per parameter)
+``eval-builds-graph``        the model is in ``eval()`` but ``loss`` still carries a graph
+``late-freeze``              ``requires_grad`` was turned off after the forward that built ``loss``
+===========================  ==================================================================
 """
 
 from __future__ import annotations
@@ -145,8 +147,13 @@ def _optimizer_findings(
 ) -> list[Finding]:
     findings: list[Finding] = []
     held: dict[int, str] = {}
+    foreign = 0
     for which, opt in enumerate(optimizers):
         label = f"optimizer {which}" if len(optimizers) > 1 else "optimizer"
+        if _holds_none_of(opt, names):  # one line, not one per parameter of either
+            findings.append(_not_for_model(model, opt, label, len(names)))
+            foreign += 1
+            continue
         for index, group in enumerate(opt.param_groups):
             for param in group["params"]:
                 name = names.get(id(param), f"<parameter outside the model {tuple(param.shape)}>")
@@ -166,6 +173,8 @@ def _optimizer_findings(
                 if not param.requires_grad and param.grad is not None:
                     findings.append(_frozen_in_optimizer(opt, group, param, name, place))
     for name, param in model.named_parameters():
+        if foreign == len(optimizers):
+            break  # no optimizer of this model was given: that is the one finding
         if param.requires_grad and id(param) not in held:
             findings.append(
                 Finding(
@@ -178,6 +187,28 @@ def _optimizer_findings(
                 )
             )
     return findings
+
+
+def _holds_none_of(opt: torch.optim.Optimizer, names: dict[int, str]) -> bool:
+    """Whether ``opt`` holds parameters, none of them the model's."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return bool(params) and bool(names) and not any(id(p) in names for p in params)
+
+
+def _not_for_model(model: nn.Module, opt: torch.optim.Optimizer, label: str, count: int) -> Finding:
+    held = len({id(p) for group in opt.param_groups for p in group["params"]})
+    return Finding(
+        "optimizer-not-for-model",
+        label,
+        f"{label} ({type(opt).__name__}) holds none of the {count} parameters of "
+        f"{type(model).__name__}: its {held} parameters are other tensors (those of another "
+        "model, of a copy made with copy.deepcopy or reloaded after the optimizer was built, "
+        "or the flat copies of a DeepSpeed or FSDP optimizer), so its step never moves this "
+        "model.",
+        "build the optimizer from this model's parameters "
+        "(torch.optim.AdamW(model.parameters())) after the model's last copy or reload, and "
+        "pass that one.",
+    )
 
 
 def _frozen_in_optimizer(

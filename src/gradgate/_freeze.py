@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._errors import AlreadyFrozenError, InvalidOptionError
 from ._handles import Handle
-from ._optimizer import add_group, held, remove_groups
+from ._optimizer import add_missing_near, refuse_foreign, remove_groups
 from ._select import Pattern, _match, check_module, check_patterns
 from ._stale_grads import FrozenGrads
 from ._tied import warn_tied_outside
@@ -302,6 +302,7 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
                 "by one freeze at a time. Undo that handle first, or leave it out of the "
                 "patterns."
             )
+    warn_tied_outside(model, patterns, params)  # before any change: it may raise (-W error)
     handle = FreezeHandle(_describe("freeze", patterns))
     for name, param in params:
         handle._hold(name, locations[id(param)])
@@ -309,7 +310,6 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
         for module in _norm_layers(model, modules, params):
             handle._hold_norm(module, locked=True)
     handle._grads = FrozenGrads(param for _, param in params)
-    warn_tied_outside(model, patterns, params)
     return handle
 
 
@@ -337,7 +337,8 @@ def unfreeze(
     optimizer does not hold are added to it, in a new param group with the options of the
     group their module's other parameters use (else the optimizer's defaults), so they really
     train; undoing the handle takes those groups (and their state) out again. A learning-rate
-    scheduler created before does not schedule a group added later.
+    scheduler created before does not schedule a group added later. An optimizer that holds
+    none of the model's parameters (another model's, a stale copy's) is refused.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -353,6 +354,8 @@ def unfreeze(
             "torch.optim.Optimizer (the one training this model) or None."
         )
     patterns = check_patterns("unfreeze", patterns, model=model)
+    if optimizer is not None:
+        refuse_foreign(model, optimizer)
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))
@@ -362,7 +365,7 @@ def unfreeze(
         handle._hold_norm(module, locked=False)
     if optimizer is not None:
         handle._optimizer = optimizer
-        handle._added, handle._added_names = _add_missing(model, optimizer, params)
+        handle._added, handle._added_names = add_missing_near(model, optimizer, params)
     return handle
 
 
@@ -418,33 +421,3 @@ def _norm_layers(
         ):
             found[id(module)] = module
     return list(found.values())
-
-
-def _add_missing(
-    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Add the parameters the optimizer lacks, grouped like their module's other parameters."""
-    group_of = held(optimizer)
-    new_groups: dict[int, tuple[dict[str, Any] | None, list[tuple[str, nn.Parameter]]]] = {}
-    for name, param in params:
-        if id(param) not in group_of:
-            sibling = _sibling_group(model, name, group_of)
-            new_groups.setdefault(id(sibling), (sibling, []))[1].append((name, param))
-    added = [
-        add_group(optimizer, members, sibling or {}) for sibling, members in new_groups.values()
-    ]
-    return added, [name for _, members in new_groups.values() for name, _ in members]
-
-
-def _sibling_group(
-    model: nn.Module, name: str, group_of: dict[int, dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The group of the nearest module (the owner, then its ancestors) with a parameter in it."""
-    owner = name.rpartition(".")[0]
-    while True:
-        for param in model.get_submodule(owner).parameters():
-            if id(param) in group_of:
-                return group_of[id(param)]
-        if not owner:
-            return None
-        owner = owner.rpartition(".")[0]

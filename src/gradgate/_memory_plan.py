@@ -203,15 +203,17 @@ def parse_bytes(budget: object) -> int:
 
 
 def format_bytes(size: int) -> str:
-    """``1536`` -> ``"1.50 KiB"``; whole bytes below 1 KiB.
+    """``1536`` -> ``"1.50 KiB"``; whole bytes below 1 KiB. The unit is chosen after rounding,
+    so a size just under a unit reads ``1.00`` of it, never ``1024.00`` of the one below.
 
-    >>> format_bytes(512), format_bytes(3 * 2**29)
-    ('512 B', '1.50 GiB')
+    >>> format_bytes(512), format_bytes(3 * 2**29), format_bytes(2**20 - 1)
+    ('512 B', '1.50 GiB', '1.00 MiB')
     """
     if size < 1024:
         return f"{size} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size_in = size / 1024 ** (1 + ("KiB", "MiB", "GiB", "TiB").index(unit))
-        if size_in < 1024 or unit == "TiB":
-            return f"{size_in:.2f} {unit}"
+    units = ("KiB", "MiB", "GiB", "TiB")
+    for power, unit in enumerate(units, start=1):
+        shown = f"{size / 1024**power:.2f}"
+        if float(shown) < 1024 or unit == units[-1]:
+            return f"{shown} {unit}"
     raise AssertionError("unreachable")

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._errors import InvalidOptionError
+
 
 def held(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The group that holds each parameter, by parameter identity."""
@@ -36,3 +38,52 @@ def remove_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
             del optimizer.param_groups[index]
             for param in group["params"]:
                 optimizer.state.pop(param, None)
+
+
+def add_missing_near(
+    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Add the parameters the optimizer lacks, grouped like their module's other parameters
+    (``unfreeze(optimizer=)``); returns the groups added and the names in them."""
+    group_of = held(optimizer)
+    new_groups: dict[int, tuple[dict[str, Any] | None, list[tuple[str, nn.Parameter]]]] = {}
+    for name, param in params:
+        if id(param) not in group_of:
+            sibling = _sibling_group(model, name, group_of)
+            new_groups.setdefault(id(sibling), (sibling, []))[1].append((name, param))
+    added = [
+        add_group(optimizer, members, sibling or {}) for sibling, members in new_groups.values()
+    ]
+    return added, [name for _, members in new_groups.values() for name, _ in members]
+
+
+def _sibling_group(
+    model: nn.Module, name: str, group_of: dict[int, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The group of the nearest module (the owner, then its ancestors) with a parameter in it."""
+    owner = name.rpartition(".")[0]
+    while True:
+        for param in model.get_submodule(owner).parameters():
+            if id(param) in group_of:
+                return group_of[id(param)]
+        if not owner:
+            return None
+        owner = owner.rpartition(".")[0]
+
+
+def refuse_foreign(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds parameters, none of them the model's: adding this model's
+    parameters to it would train them with another model's optimizer (or a stale copy's)."""
+    group_of = held(optimizer)
+    ours = {id(p) for p in model.parameters()}
+    if not group_of or not ours or not group_of.keys().isdisjoint(ours):
+        return
+    raise InvalidOptionError(
+        f"optimizer={type(optimizer).__name__} holds none of the {len(ours)} parameters of "
+        f"{type(model).__name__} (its {len(group_of)} parameters are other tensors: another "
+        "model's, a copy's made with copy.deepcopy or reloaded after the optimizer was built, "
+        "or a DeepSpeed or FSDP optimizer's flat copies); expected the optimizer that trains "
+        "this model: build it from model.parameters() after the model's last copy. To train "
+        "them with this optimizer on purpose, unfreeze without optimizer= and then call "
+        "gg.optim.add_missing(optimizer, model)."
+    )

@@ -24,6 +24,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ._errors import GradgateWarning, warn
+
+LEARNERS_ONLY = "_gradgate_learners_only"  # on the optimizers step_learners_only splits
+
 
 def drop_zero_grads(params: Iterable[torch.Tensor]) -> None:
     """``.grad = None`` where the gradient is all zero (one host sync for all of them)."""
@@ -93,6 +97,7 @@ class CutGrads:
         self._stepped = False
         self._stale: dict[tuple[tuple[Any, ...], ...], _Stale] = {}  # by plans
         self._clean: set[int] = set()  # blocks found with nothing to drop, not learned since
+        self._seen: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # stepped with a cut
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -120,10 +125,13 @@ class CutGrads:
     def _walk(self) -> _Stale:
         learned: set[int] = set()
         keep: set[int] = set(self._shared)
+        everything = range(len(self._blocks))
         for learn, skip, extra in self._plans:
-            if learn is None:
-                return _Stale({}, frozenset(range(len(self._blocks))), [], frozenset())
-            learned.update(p for p in learn if p not in skip)
+            if learn is None and not skip:  # no cut: every block learned
+                return _Stale({}, frozenset(everything), [], frozenset())
+            # a skipped block ran with no graph: it learned nothing, a depth or learning set
+            # or no cut at all (learn None) notwithstanding
+            learned.update(p for p in (everything if learn is None else learn) if p not in skip)
             keep.update(extra)
         learning = {id(p) for i in learned for p in self._blocks[i].parameters()}
         stale: dict[int, list[nn.Parameter]] = {}
@@ -143,6 +151,11 @@ class CutGrads:
         if not self._plans:
             return
         stale, unclean, every, cleanable = self._not_learned()
+        if stale:
+            seen = self._seen.get(id(optimizer))
+            if seen is None or seen() is not optimizer:  # its first step that leaves one out
+                self._seen[id(optimizer)] = weakref.ref(optimizer)
+                warn_zero_without_learners_only(optimizer, self._blocks, stale)
         clean = self._clean
         clean -= unclean  # now a subset of the blocks not learned
         if len(clean) == len(stale):
@@ -188,3 +201,51 @@ def _with_grad(params: list[nn.Parameter]) -> list[nn.Parameter]:
 
 
 _GRAD = attrgetter("grad")
+
+
+def warn_zero_without_learners_only(
+    optimizer: torch.optim.Optimizer, blocks: list[nn.Module], stale: dict[int, Any]
+) -> None:
+    """Warn when ``optimizer`` is the torch optimizer inside a DeepSpeed ZeRO optimizer of the
+    blocks' model, with no ``step_learners_only``: ZeRO steps its flat partitions whole, so the
+    blocks the plan left out move too. Read from the marks DeepSpeed leaves on the parameters
+    (deepspeed itself is not imported)."""
+    if getattr(optimizer, LEARNERS_ONLY, None) is not None:
+        return
+    stage = _zero_stage_of(optimizer, blocks)
+    if stage is None:
+        return
+    left_out = sorted(stale)
+    warn(
+        f"DeepSpeed {stage} steps each rank's flat partition whole, so the "
+        f"{len(left_out)} of {len(blocks)} blocks this step's plan left out (positions "
+        f"{', '.join(map(str, left_out))}) are moved all the same: weight decay, momentum and "
+        "Adam's step count. Add one line after deepspeed.initialize: "
+        "gg.integrations.deepspeed.step_learners_only(engine) (the Hugging Face Trainer's "
+        "GateCallback makes this call itself).",
+        GradgateWarning,
+    )
+
+
+def _zero_stage_of(optimizer: torch.optim.Optimizer, blocks: list[nn.Module]) -> str | None:
+    """How DeepSpeed steps the blocks' parameters with ``optimizer`` (its flat partitions), if
+    it does."""
+    for block in blocks:
+        for param in block.parameters():
+            zero3 = getattr(param, "_z3_optimizer", None)  # the ZeRO-3 optimizer, on each one
+            if zero3 is not None:
+                return "ZeRO stage 3" if getattr(zero3, "optimizer", None) is optimizer else None
+            # ZeRO 1 and 2: this rank's stretch of the parameter, a view of a flat partition
+            fragment = getattr(getattr(param, "_hp_mapping", None), "hp_fragment", None)
+            if isinstance(fragment, torch.Tensor):
+                return "ZeRO stage 1 or 2" if _holds_storage_of(optimizer, fragment) else None
+    return None
+
+
+def _holds_storage_of(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> bool:
+    pointer = tensor.untyped_storage().data_ptr()
+    return bool(pointer) and any(
+        held.untyped_storage().data_ptr() == pointer
+        for group in optimizer.param_groups
+        for held in group["params"]
+    )

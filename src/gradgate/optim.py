@@ -184,17 +184,12 @@ def drop_finished(
     2 888
     >>> gate.remove()
     """
+    _optimizer(optimizer, "drop_finished")
+    points, model = _gate_parts(gate, schedule)
     schedule._bind(gate)
     finished = schedule.resting(step)
     if not finished:
         return 0
-    points = getattr(gate, "_points", None)
-    model = getattr(gate, "_model", None)
-    if points is None or model is None:
-        raise InvalidOptionError(
-            f"drop_finished needs the gradgate.BackpropGate the schedule drives; got "
-            f"{type(gate).__name__}."
-        )
     if len(points) != schedule.n:
         raise InvalidOptionError(
             f"{schedule!r} plans over {schedule.n} blocks but the gate has {len(points)}; "
@@ -241,13 +236,45 @@ def _fraction(option: str, value: object) -> float:
     return float(value)
 
 
-def _optimizer(value: object) -> torch.optim.Optimizer:
+def _optimizer(value: object, function: str = "") -> torch.optim.Optimizer:
     if not isinstance(value, torch.optim.Optimizer):
+        called = f"optimizer={_shown(value)}"
         raise InvalidOptionError(
-            f"optimizer={value!r:.60} ({type(value).__name__}); expected a torch.optim.Optimizer, "
+            f"{f'{function}({called})' if function else called}: expected a torch.optim.Optimizer, "
             "e.g. torch.optim.AdamW(model.parameters())."
         )
     return value
+
+
+def _shown(value: object) -> str:
+    """A short repr, or the type for one that spans lines (a module, an optimizer).
+
+    >>> _shown(None), _shown(torch.nn.Sequential(torch.nn.ReLU()))
+    ('None', 'a Sequential')
+    """
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= 60 else f"a {type(value).__name__}"
+
+
+def _gate_parts(gate: object, schedule: object) -> tuple[list[tuple[str, nn.Module]], nn.Module]:
+    """The blocks and the model of the gate ``drop_finished`` was given; refuses a gate or a
+    schedule of the wrong kind before the schedule looks at either."""
+    from .schedules import Schedule
+
+    points = getattr(gate, "_points", None)
+    model = getattr(gate, "_model", None)
+    if points is None or model is None:
+        raise InvalidOptionError(
+            f"drop_finished(gate={_shown(gate)}): expected the "
+            "gradgate.BackpropGate the schedule drives, e.g. gate = gg.BackpropGate(model)."
+        )
+    if not isinstance(schedule, Schedule):
+        raise InvalidOptionError(
+            f"drop_finished(schedule={_shown(schedule)}): expected "
+            "the gradgate.schedules schedule that drives the gate, e.g. "
+            "gg.schedules.LISA(n, k=2)."
+        )
+    return points, model
 
 
 def _tensors(params: object) -> list[torch.Tensor]:

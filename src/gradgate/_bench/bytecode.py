@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _BENCH = os.path.dirname(os.path.abspath(__file__)) + os.sep
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 
 import gradgate as gg
 
@@ -15,16 +16,32 @@ COLUMNS = (
 )
 
 
+_PREFIXES = ("k", "M", "G", "T", "P", "E")
+
+
 def human_count(value: float, unit: str = "") -> str:
-    """``1234567`` -> ``1.23 M``; small numbers stay exact.
+    """``1234567`` -> ``1.23 M``: three significant digits, with the prefix their rounded value
+    needs (``999_999_999`` is ``1.00 G``); small numbers stay exact.
 
     >>> human_count(0), human_count(999), human_count(1_234_567), human_count(2048, "B")
     ('0', '999', '1.23 M', '2.05 kB')
+    >>> human_count(999_999_999), human_count(1000)
+    ('1.00 G', '1.00 k')
     """
-    for size, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= size:
-            return f"{value / size:.3g} {prefix}{unit}"
-    return f"{value:,.0f}" + (f" {unit}" if unit and value else "")
+    if abs(value) < 1000:
+        return f"{value:,.0f}" + (f" {unit}" if unit and value else "")
+    for power, prefix in enumerate(_PREFIXES, start=1):
+        shown = _three_digits(value / 1000**power)
+        if abs(float(shown)) < 1000 or prefix == _PREFIXES[-1]:
+            return f"{shown} {prefix}{unit}"
+    raise AssertionError("unreachable")
+
+
+def _three_digits(value: float) -> str:
+    """Rounded to three significant digits, trailing zeros kept: ``1.00``, ``12.3``, ``999``."""
+    rounded = float(f"{value:.3g}")
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded)))) if rounded else 2
+    return f"{rounded:.{decimals}f}"
 
 
 def layer_rows(report: gg.AuditReport) -> list[tuple[str, str, str, str, str]]:

@@ -18,7 +18,9 @@ Each parameter's stretch of the flat partition is handed to the torch optimizer 
 its own (a view: no copy), with its stretch of the flat gradient when the parameter got a
 gradient on any rank since the last step, else with ``.grad = None``. So each stretch has its
 own optimizer state and step count, as in plain torch, and state exists only for parameters
-that learned at least once. This module imports deepspeed only when it is called.
+that learned at least once. This module imports deepspeed only when it is called. A gate on a
+model that ZeRO steps without this handle warns at the first step whose plan leaves a block
+out (``_stale_grads``), with the line to add.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from torch import nn
 
 from .._errors import InvalidOptionError
 from .._handles import Handle
+from .._stale_grads import LEARNERS_ONLY as _ATTRIBUTE  # read by the gate's step hook
 
 __all__ = ["LearnersOnly", "step_learners_only", "step_learners_only_if_deepspeed"]
 
-_ATTRIBUTE = "_gradgate_learners_only"
 _WORKS = "ZeRO stage 1, 2 or 3 with a torch optimizer and no optimizer offload"
 
 
@@ -122,7 +124,8 @@ class LearnersOnly(Handle):
             self._patch(self.base, "step", self._base_step)
             self._patch(self.base, "state_dict", self._base_state)
             self._patch(self.base, "load_state_dict", self._base_state)
-        setattr(outer, _ATTRIBUTE, self)
+        for target in {id(outer): outer, id(self.base): self.base}.values():
+            setattr(target, _ATTRIBUTE, self)  # the gate's step hook sees the base optimizer
         super().__init__(self._restore, description=f"step_learners_only ({self.kind})")
 
     # -- what learned -------------------------------------------------------------------------
@@ -242,7 +245,8 @@ class LearnersOnly(Handle):
             for name in ("step", "state_dict", "load_state_dict"):
                 if name in vars(target):
                     delattr(target, name)
-        delattr(self.outer, _ATTRIBUTE)
+        for target in {id(self.outer): self.outer, id(self.base): self.base}.values():
+            delattr(target, _ATTRIBUTE)
         if self.kind != "plain":
             _gather_state(self.base, self.flats, self.segments)
 
