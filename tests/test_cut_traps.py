@@ -21,7 +21,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradgate as gg
-from gradgate import _torch_internals as internals
 
 
 class Residual(nn.Module):
@@ -323,7 +322,6 @@ def _forward_flops(run: Callable[[], torch.Tensor]) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 @pytest.mark.parametrize("depth", [0, 1])
 def test_under_a_flop_counter_the_prefix_keeps_the_fused_encoder_kernel(depth: int) -> None:
     """The fused kernel has no FLOP formula: a prefix that leaves it counts every matmul."""

@@ -20,7 +20,7 @@ from gradgate import _cut as _cut_module
 from gradgate import _frames, _plan_tables, _stale_grads
 from gradgate import _torch_internals as internals
 from gradgate._bench.bytecode import count
-from gradgate._hooks import GateHook, HookedForward
+from gradgate._hooks import GateHook, HookedForward, TracedHookedForward
 
 
 class Residual(nn.Module):
@@ -48,18 +48,20 @@ def _wrapped(module: nn.Module) -> bool:
     return isinstance(forward, HookedForward) and forward.runs
 
 
-def test_before_torch_2_8_the_gate_hooks_are_module_hooks() -> None:
-    """Where dynamo cannot skip the wrappers' frames it would trace them under compile."""
+def test_the_gate_hooks_run_from_the_blocks_forward_on_every_torch() -> None:
+    """Before torch 2.8, where dynamo cannot skip the wrappers' frames, a traced wrapper calls
+    the hooks through their GateHook (untraced), so plain forwards keep the wrappers (and the
+    fused kernels that any module hook turns off)."""
     model = _mlp()
     gate = gg.BackpropGate(model, depth=2)
     model(torch.randn(2, 3))
-    expected = 0 if internals.SKIPS_FRAMES else 2
-    assert [_gate_hooks(block) for block in model] == [expected] * 4
-    assert all(_wrapped(block) == internals.SKIPS_FRAMES for block in model)
+    assert [_gate_hooks(block) for block in model] == [0] * 4
+    assert all(_wrapped(block) for block in model)
+    traced = [isinstance(block.forward, TracedHookedForward) for block in model]
+    assert traced == [not internals.SKIPS_FRAMES] * 4
     gate.remove()
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 def test_blocks_take_torchs_fast_path_with_a_plan_and_module_hooks_only_beside_others() -> None:
     model = _mlp()
     x = torch.randn(2, 3)
@@ -289,7 +291,6 @@ def test_with_no_plan_and_the_hooks_off_a_forward_opens_no_frame() -> None:
     gate.remove()
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _mlp(5)
     gate = gg.BackpropGate(model, depth=1)
@@ -325,7 +326,6 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
     gate.remove()
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 @pytest.mark.parametrize("depth", [0, 2])
 def test_blocks_before_the_cut_open_and_close_it_with_no_call_of_the_cuts_methods(
     monkeypatch: pytest.MonkeyPatch, depth: int
@@ -373,7 +373,6 @@ class _Embedded(nn.Module):
         return self.head(self.blocks(self.embed(x)))
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 @pytest.mark.parametrize("depth", [0, 1, 4])
 def test_an_embedding_and_a_head_run_with_no_call_of_their_hook(
     monkeypatch: pytest.MonkeyPatch, depth: int
@@ -405,7 +404,9 @@ def test_an_embedding_and_a_head_run_with_no_call_of_their_hook(
     gate.remove()
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
+@pytest.mark.skipif(
+    not internals.SKIPS_FRAMES, reason="before torch 2.8 the traced wrapper adds a frame per block"
+)
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
 @pytest.mark.parametrize("depth", [0, 1])
 def test_a_block_before_the_cut_costs_the_gate_few_bytecodes(depth: int) -> None:
@@ -426,7 +427,6 @@ def _per_block_bytecodes(depth: int) -> float:
     return (counts[1] - counts[0]) / 8
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
 def test_freezing_the_code_between_the_blocks_does_not_walk_them_at_every_forward() -> None:
     """At depth 1 the code up to the learner is frozen (see test_cut: the gap): what one more
@@ -751,7 +751,6 @@ def _step_bytecodes(n: int, depths: list[int | None]) -> int:
     return sum(instructions.values())
 
 
-@pytest.mark.skipif(not internals.SKIPS_FRAMES, reason="module hooks before torch 2.8")
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="bytecode counted on CPython 3.11")
 @pytest.mark.parametrize(("before", "depth"), [(None, 0), (0, None), (2, 0)])
 def test_a_step_after_a_step_at_another_depth_costs_little_more_per_block(

@@ -276,6 +276,33 @@ def test_compile_without_frame_skipping_runs_the_gated_forward_eagerly_and_exact
     torch._dynamo.reset()
 
 
+def test_blocks_compiled_after_the_gate_without_frame_skipping_are_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where dynamo cannot be told to skip the gate's frames (torch 2.6, 2.7), it traces the
+    wrapper around a block's forward when the block is compiled after the gate."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(internals, "SKIPS_FRAMES", False)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(3, 8), *[_Block(8) for _ in range(4)], nn.Linear(8, 2))
+    model = copy.deepcopy(eager)
+    blocks = [str(i) for i in range(1, 5)]
+    x = torch.randn(4, 3)
+    with (
+        gg.BackpropGate(eager, blocks) as eager_gate,
+        gg.BackpropGate(model, blocks) as gate,
+        gg.compile_blocks(model, blocks, backend="eager"),
+    ):
+        for depth in [None, 0, 2, 4, 1]:
+            eager_gate.depth = gate.depth = depth
+            for net in (eager, model):
+                net.zero_grad(set_to_none=True)
+                net(x).pow(2).mean().backward()
+            _assert_equal(_grads(model), _grads(eager))
+            assert len(_grads(model)) == 2 * (6 if depth is None else depth + 1)  # weight, bias
+    torch._dynamo.reset()
+
+
 def test_traceable_without_dynamo_helpers_is_the_function_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -6,10 +6,12 @@ supports that torch, then gradgate itself (editable, without its dependencies, s
 below the declared floor can be measured too). The suite runs in a copy of the checkout made
 when the release's turn comes, so edits meanwhile do not change what it tests.
 Each run adds or replaces its row in docs/compatibility.json and rewrites the table in
-docs/compatibility.md from it, so releases can be run one at a time.
+docs/compatibility.md from it, so releases can be run one at a time. A row records the commit
+it ran on and a fingerprint of the files it tested, so rows run on other code stand out.
 
     python tools/torch_matrix.py 2.6.0 2.15.0            # non-slow suite, venvs deleted after
     python tools/torch_matrix.py 2.13.0 --whole-suite --keep
+    python tools/torch_matrix.py --stale                 # rows not run on the checkout's code
 
 Stdlib only (Python 3.11+ for tomllib): it runs before any dependency is installed.
 """
@@ -20,6 +22,7 @@ import argparse
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -38,6 +41,8 @@ VENVS = ROOT / ".torch-matrix"
 RESULTS_JSON = ROOT / "docs" / "compatibility.json"
 RESULTS_MD = ROOT / "docs" / "compatibility.md"
 NON_SLOW = ["-m", "not slow"]
+# what each run writes: not part of the code a row ran on
+RESULTS = tuple(str(path.relative_to(ROOT)) for path in (RESULTS_JSON, RESULTS_MD))
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -60,29 +65,47 @@ def run(cmd: list[str], log, *, cwd: Path, env: dict[str, str] | None = None) ->
     return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
-def snapshot(target: Path) -> str:
-    """Copy the checkout's files (tracked and untracked, not ignored) to `target`, so that
-    edits made while a release is tested do not change what it tests; returns the commit."""
+def git(*args: str) -> str:
+    """The output of a git command that only reads (no index refresh either)."""
+    cmd = ["git", "--no-optional-locks", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def checkout_files() -> list[str]:
+    """The checkout's files, tracked and untracked but not ignored, sorted."""
+    listed = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
+    return sorted(name for name in set(listed) if name and (ROOT / name).is_file())
+
+
+def fingerprint(tree: Path, names: list[str]) -> str:
+    """A short hash of the files' names and contents, the results this tool writes aside:
+    equal for the same code, committed or not (``-dirty`` says only that there were edits)."""
+    digest = hashlib.sha256()
+    for name in names:
+        if name not in RESULTS:
+            digest.update(name.encode() + b"\0" + (tree / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def current_commit() -> str:
+    """The checkout's commit, ``-dirty`` when the files tested are not those of the commit
+    (uncommitted edits, untracked files), the results this tool writes aside: so that a
+    release run after another in one call is not marked dirty by the row written before it."""
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    outside = [f":(exclude){name}" for name in RESULTS]
+    edits = git("status", "--porcelain", "--untracked-files=all", "--", ".", *outside)
+    return f"{head}-dirty" if edits else head
+
+
+def snapshot(target: Path) -> tuple[str, str]:
+    """Copy the checkout's files to `target`, so that edits made while a release is tested do
+    not change what it tests; returns the commit and the fingerprint of the copy."""
     shutil.rmtree(target, ignore_errors=True)
-    listed = (
-        subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, listed):
-        source = ROOT / name
-        if source.is_file():
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / name)
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return commit or "?"
+    commit, names = current_commit(), checkout_files()
+    for name in names:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target / name)
+    return commit, fingerprint(target, names)
 
 
 def install_env(venv: Path) -> dict[str, str]:
@@ -238,25 +261,34 @@ def render(results: dict[str, dict[str, object]]) -> str:
         "runs the suite shown in the *suite* column in a copy of the checkout at *commit*.",
         "`pyproject.toml` declares the oldest release on which it all passes as the floor.",
         "",
+        "*commit* is the commit the row ran on, `-dirty` where the checkout had changes not yet",
+        "committed (then only *code* identifies them): *code* is a fingerprint of the files",
+        "tested, so rows with the same *code* ran on the same code. A row is current when its",
+        "*code* is the checkout's; `python3 tools/torch_matrix.py --stale` lists the rows that",
+        "are not (run at least the floor's row again after a change).",
+        "",
         "What differs by release (the tests say so where they run):",
         "",
         "- torch 2.6 and 2.7: under `torch.compile(model)` the gated forward runs eagerly (one",
         "  graph break at the gate, blocks uncompiled, gradients exact). 2.6 cannot tell dynamo to",
         "  skip the gate's frames; 2.7 can, but compiling again after such a compile segfaults it.",
+        "- torch 2.6 and 2.7: `gg.compile_blocks` applied after the gate breaks each block's",
+        "  graph at the gate's hooks (gradients exact); apply it before the gate.",
         "- torch 2.6: FSDP2 does not run on the CPU (torch calls `Stream.record_event`), so the",
         "  FSDP2 tests skip there; on CUDA it is untested.",
         "- torch 2.6 and 2.7: `gg.estimate` of a transformers model called without an attention",
         "  mask saves a little less in the fake attention than a real step (12 kB on the tiny",
         "  Llama of the tests); with a mask, or from torch 2.8 on, it equals `gg.audit`.",
         "",
-        "| torch | transformers | passed | failed | skipped | suite | date | Python | commit |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- |",
+        "| torch | transformers | passed | failed | skipped | suite | date | Python | commit "
+        "| code |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |",
     ]
     for version, row in results.items():
         lines.append(
             f"| {version} | {row['transformers']} | {row['passed']} | {row['failed']} | "
             f"{row['skipped']} | `{row['command']}` | {row['date']} | {row['python']} | "
-            f"{row.get('commit', '?')} |"
+            f"{row.get('commit', '?')} | {row.get('code', '?')} |"
         )
     failing = {v: row for v, row in results.items() if row["failures"]}
     if failing:
@@ -273,7 +305,7 @@ def run_one(torch_version: str, args: argparse.Namespace) -> dict[str, object]:
     VENVS.mkdir(exist_ok=True)
     log_path = VENVS / f"torch-{torch_version}.log"
     tree = Path(tempfile.gettempdir()) / "gradgate-torch-matrix" / torch_version
-    commit = snapshot(tree)
+    commit, code = snapshot(tree)
     with log_path.open("w") as log:
         venv = make_venv(torch_version, args.python, tree, log)
         try:
@@ -284,25 +316,46 @@ def run_one(torch_version: str, args: argparse.Namespace) -> dict[str, object]:
             if not args.keep:
                 shutil.rmtree(venv, ignore_errors=True)
                 shutil.rmtree(tree, ignore_errors=True)
-    row["commit"] = commit
+    row["commit"], row["code"] = commit, code
     row["command"] = " ".join(test_command(args.whole_suite))
     row["date"] = datetime.date.today().isoformat()
     row["python"] = platform.python_version()
     return row
 
 
+def stale_rows() -> list[str]:
+    """One line per recorded row that did not run on the checkout's code as it is now."""
+    code, commit = fingerprint(ROOT, checkout_files()), current_commit()
+    return [
+        f"torch {version}: ran on {row.get('commit', '?')} (code {row.get('code', '?')}); "
+        f"the checkout is {commit} (code {code})"
+        for version, row in load_results().items()
+        if row.get("code") != code
+    ]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("versions", nargs="+", help="torch releases, e.g. 2.6.0 2.15.0")
+    parser.add_argument("versions", nargs="*", help="torch releases, e.g. 2.6.0 2.15.0")
+    parser.add_argument(
+        "--stale", action="store_true", help="list the rows not run on the checkout's code"
+    )
     parser.add_argument("--whole-suite", action="store_true", help="slow tests too")
     parser.add_argument("--keep", action="store_true", help="keep each venv after its run")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the venvs")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per suite run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if bool(args.versions) == args.stale:
+        parser.error("give torch releases to run, or --stale alone")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stale:
+        stale = stale_rows()
+        print("\n".join(stale) if stale else "every row ran on the checkout's code")
+        return 1 if stale else 0
     worst = 0
     for version in args.versions:
         print(f"torch {version}: installing and testing (log: .torch-matrix/torch-{version}.log)")
@@ -321,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['skipped']} skipped"
         )
         worst = max(worst, 1 if row["failed"] else 0)
+    stale = stale_rows()
+    if stale:
+        print("rows run on other code than the checkout holds now:\n" + "\n".join(stale))
     return worst
 
 

@@ -6,8 +6,9 @@ while the module has no other hook; beside other hooks they are module hooks, in
 Hooks registered for every module (``FlopCounterMode``'s module tracker) do not count: they
 run outside ``forward`` either way, and a module hook would turn off the fused kernels of
 modules that look for their own hooks (``nn.TransformerEncoderLayer``).
-Where dynamo cannot be told to skip the wrapper's frame (torch 2.6, 2.7: it traces it under
-``torch.compile``, and torch 2.6 crashed there) they are always module hooks.
+Where dynamo cannot be told to skip the wrapper's frame (torch 2.6, 2.7), a wrapper it traces
+calls them through their :class:`GateHook`, which it does not trace, as for module hooks
+(:class:`~gradgate._hooks.TracedHookedForward`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch_internals as internals
-from ._hooks import GateHook, HookedForward
+from ._hooks import GateHook, HookedForward, hooked_forward
 
 
 class HookSet:
@@ -64,7 +65,7 @@ class HookSet:
         for :meth:`discard`."""
         wrapper = next((w for w in self._wrappers if w.module is module), None)
         if wrapper is None:
-            wrapper = HookedForward(module)
+            wrapper = hooked_forward(module)
             wrapper.install()
             self._wrappers.append(wrapper)
         added = []
@@ -131,7 +132,7 @@ class HookSet:
     def _fit(self, wrapper: HookedForward) -> None:
         if self.suspended:
             return
-        hooked = wrapper.others() or not internals.SKIPS_FRAMES
+        hooked = wrapper.others()
         if hooked == wrapper.hooked and wrapper.runs != hooked:
             return  # as it should be
         own: set[int] = set()

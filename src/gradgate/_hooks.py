@@ -281,6 +281,22 @@ class HookedForward(_InstanceForward):
             raise
 
 
+class TracedHookedForward(HookedForward):
+    """A :class:`HookedForward` where dynamo cannot be told to skip its frame (torch 2.6, 2.7):
+    traced (a block compiled after the gate), it calls the hooks through their
+    :class:`GateHook`, which keeps them out of the graph, as it does for module hooks."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.runs and torch.compiler.is_compiling():
+            return self.call_hooks(args, kwargs, compiled=True)
+        return super().__call__(*args, **kwargs)
+
+
+def hooked_forward(module: nn.Module) -> HookedForward:
+    """The wrapper for ``module`` that this torch can run under ``torch.compile``."""
+    return (HookedForward if internals.SKIPS_FRAMES else TracedHookedForward)(module)
+
+
 class CompiledForward(_InstanceForward):
     """A block's ``forward``, compiled as a frame of its own under a compiled gated root."""
 

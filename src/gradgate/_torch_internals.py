@@ -40,6 +40,8 @@ def _lookup(module: str, *names: str) -> Any:
 
 
 PYTREE = _lookup("torch.utils._pytree")
+# takes a type off the pytree's registry; only the tests use it (None on torch 2.6)
+PYTREE_DEREGISTER = _lookup("torch.utils._pytree", "_deregister_pytree_node")
 DISPATCH_MODE = _lookup("torch.utils._python_dispatch", "TorchDispatchMode")
 CURRENT_NODE = _lookup("torch._C", "_current_autograd_node")
 SEQUENCE_NR = _lookup("torch._C._autograd", "_get_sequence_nr")
@@ -50,12 +52,6 @@ SET_GRAD = _lookup("torch._C", "_set_grad_enabled")
 # torch.distributed's state: its ``_default_pg`` is what is_initialized() returns through three
 # Python calls (asked at every forward)
 DISTRIBUTED_WORLD = _lookup("torch.distributed.distributed_c10d", "_world")
-# hooks on every module: torch runs a module's own forward hooks inside these
-GLOBAL_MODULE_HOOKS = tuple(
-    hooks
-    for name in ("forward_pre", "forward", "backward_pre", "backward")
-    if (hooks := _lookup("torch.nn.modules.module", f"_global_{name}_hooks")) is not None
-)
 # torch._dynamo itself is imported on first need only: it takes about a second.
 DYNAMO = "torch._dynamo"
 HOOK_GUARDS_FLAG = "skip_nnmodule_hook_guards"  # a torch._dynamo.config option
@@ -153,7 +149,8 @@ set_grad_mode: Callable[[bool], Any] = SET_GRAD or torch.set_grad_enabled
 
 def other_module_hooks(module: torch.nn.Module, own_pre: int, own_post: int) -> bool:
     """Whether ``module`` has forward or backward hooks besides ``own_pre`` pre-hooks and
-    ``own_post`` forward hooks of the caller's (global hooks: see :func:`global_module_hooks`)."""
+    ``own_post`` forward hooks of the caller's (hooks set for every module do not count: they
+    run outside ``forward`` either way)."""
     return (
         len(module._forward_pre_hooks) > own_pre
         or len(module._forward_hooks) > own_post
@@ -193,11 +190,6 @@ def hooks_registered() -> int:
 
 
 _NEVER_SAME = itertools.count(-1, -1)
-
-
-def global_module_hooks() -> bool:
-    """Whether hooks registered for every module are set (they run around a module's own)."""
-    return any(GLOBAL_MODULE_HOOKS)
 
 
 def next_sequence_nr() -> int:
