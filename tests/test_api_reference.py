@@ -26,21 +26,21 @@ import gradgate as gg
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 REGENERATE = "python tests/test_api_reference.py"
 
-# Where a name is defined -> the section it is listed in, in this order.
+# Where a name is defined (a part of its module's name) -> its section, in this order.
 SECTIONS = [
-    ("_select", "Which modules: blocks and selection"),
-    ("_gate", "Where the graph starts: cuts and depth"),
-    ("_compile", "Where the graph starts: cuts and depth"),
-    ("_freeze", "Which parameters learn: freezing"),
-    ("_handles", "Which parameters learn: freezing"),
-    ("_transform", "How gradients are changed: transforms"),
-    ("_capture", "Inner gradients: capture"),
-    ("_audit", "What backward computed: audit"),
-    ("_estimate", "How deep can I afford: memory plans"),
-    ("_memory_plan", "How deep can I afford: memory plans"),
-    ("_graph", "What the graph looks like: graph"),
-    ("_check", "Classic mistakes: check and explain"),
-    ("_explain", "Classic mistakes: check and explain"),
+    ("select", "Which modules: blocks and selection"),
+    ("gate", "Where the graph starts: cuts and depth"),
+    ("compile", "Where the graph starts: cuts and depth"),
+    ("freeze", "Which parameters learn: freezing"),
+    ("handles", "Which parameters learn: freezing"),
+    ("transform", "How gradients are changed: transforms"),
+    ("capture", "Inner gradients: capture"),
+    ("audit", "What backward computed: audit"),
+    ("estimate", "How deep can I afford: memory plans"),
+    ("memory_plan", "How deep can I afford: memory plans"),
+    ("graph", "What the graph looks like: graph"),
+    ("check", "Classic mistakes: check and explain"),
+    ("explain", "Classic mistakes: check and explain"),
     ("schedules", "Plans per step: schedules"),
     ("optim", "Optimizers"),
     ("distributed", "Scale out: distributed"),
@@ -101,7 +101,7 @@ def section_of(name: str, obj: Any) -> str:
     if isinstance(obj, type) and issubclass(obj, (gg.GradgateError, gg.GradgateWarning)):
         return ERRORS
     module = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", "")
-    parts = module.split(".")
+    parts = [part.lstrip("_") for part in module.split(".")]  # _gate and _cut.gate alike
     for key, title in SECTIONS:
         if key in parts:
             return title

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradgate as gg
-from gradgate._errors import AuditNotReadyError, NoBackwardWarning
-from gradgate._torch_internals import knows_saved_tensors_hooks
+from gradgate._plumbing.errors import AuditNotReadyError, NoBackwardWarning
+from gradgate._plumbing.torch_internals import knows_saved_tensors_hooks
 
 
 def _counts(report: gg.AuditReport) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from measure import forward_and_backward
 from torch import nn
 
 import gradgate as gg
-from gradgate._autograd import (
+from gradgate._plumbing.autograd import (
     StorageBytes,
     leaf_variable,
     observe_saved,
@@ -32,8 +32,8 @@ from gradgate._autograd import (
     tensors_in,
     walk,
 )
-from gradgate._tagging import ModuleTagger
-from gradgate._torch_internals import PYTREE_DEREGISTER, knows_saved_tensors_hooks
+from gradgate._plumbing.tagging import ModuleTagger
+from gradgate._plumbing.torch_internals import PYTREE_DEREGISTER, knows_saved_tensors_hooks
 
 
 def test_walk_visits_each_node_once_depth_first() -> None:

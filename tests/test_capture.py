@@ -9,7 +9,7 @@ from torch import nn
 
 import gradgate as gg
 from gradgate._capture import NoTensorError
-from gradgate._errors import GradientNotReadyError, UnknownCaptureError
+from gradgate._plumbing.errors import GradientNotReadyError, UnknownCaptureError
 
 
 class Product(nn.Module):

@@ -12,9 +12,9 @@ from models import tiny_gpt2, trainer_args
 from torch import nn
 
 import gradgate as gg
-from gradgate import _torch_internals as internals
 from gradgate._bench.compiled import compile_counts, schedule
-from gradgate._hooks import CompiledForward
+from gradgate._plumbing import torch_internals as internals
+from gradgate._plumbing.hooks import CompiledForward
 
 BACKEND = "aot_eager"  # dynamo's guards and graphs do not depend on the backend; this is fast
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradgate._torch_internals import TORCH_RELEASE
+from gradgate._plumbing.torch_internals import TORCH_RELEASE
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))

@@ -21,7 +21,7 @@ from torch import nn
 
 import gradgate as gg
 from gradgate import cli
-from gradgate._torch_internals import TORCH_RELEASE
+from gradgate._plumbing.torch_internals import TORCH_RELEASE
 
 GiB = 1024**3
 

@@ -18,9 +18,9 @@ from torch import nn
 import gradgate as gg
 from gradgate import _cut as _cut_module
 from gradgate import _frames, _plan_tables, _stale_grads
-from gradgate import _torch_internals as internals
 from gradgate._bench.bytecode import count
-from gradgate._hooks import GateHook, HookedForward, TracedHookedForward
+from gradgate._plumbing import torch_internals as internals
+from gradgate._plumbing.hooks import GateHook, HookedForward, TracedHookedForward
 
 
 class Residual(nn.Module):
@@ -790,7 +790,7 @@ def test_a_forward_that_returns_a_dict_finds_its_tensors_without_the_pytree(
 ) -> None:
     """The root's exit looks for the output's tensors at every forward: HF models return a
     ``ModelOutput`` (a dict), which torch's pytree would walk in some 180 bytecodes."""
-    from gradgate import _autograd
+    from gradgate._plumbing import autograd as _autograd
 
     class Named(nn.Module):
         def __init__(self) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate._errors import HandleUsedError
+from gradgate._plumbing.errors import HandleUsedError
 
 
 def _net() -> nn.Sequential:

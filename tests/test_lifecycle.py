@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
-from gradgate._hooks import GateHook
+from gradgate._plumbing.hooks import GateHook
 
 settings.register_profile(
     "lifecycle-ci",

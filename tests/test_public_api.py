@@ -110,7 +110,7 @@ def test_errors_and_warnings_live_in_one_module_named_gradgate() -> None:
     kinds = [getattr(gg, n) for n in gg.__all__ if n.endswith(("Error", "Warning"))]
     assert kinds
     assert {k.__module__ for k in kinds} == {"gradgate"}
-    assert all(k is getattr(gg._errors, k.__name__) for k in kinds)
+    assert all(k is getattr(gg._plumbing.errors, k.__name__) for k in kinds)
 
 
 def test_version_comes_from_package_metadata() -> None:

@@ -1,5 +1,6 @@
-"""Each fallback of gradgate._torch_internals, forced on the installed torch: what a torch without
-the private API gets is exact (gradients equal plain autograd), or a TorchVersionError."""
+"""Each fallback of gradgate._plumbing.torch_internals, forced on the installed torch: what a
+torch without the private API gets is exact (gradients equal plain autograd), or a
+TorchVersionError."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate import _torch_internals as internals
-from gradgate._autograd import StorageBytes, observe_saved
+from gradgate._plumbing import torch_internals as internals
+from gradgate._plumbing.autograd import StorageBytes, observe_saved
 
 
 def _plain_grads(model: nn.Module, loss_fn: Any, batch: Any) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from ._compile import compile_blocks
 
 # freeze: which parameters learn?
 from ._freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
-from ._handles import Handle
+from ._plumbing.handles import Handle
 
 # transform: how are gradients changed?
 from ._transform import (
@@ -55,7 +55,7 @@ from ._check import Finding, check
 from ._explain import explain
 
 # errors and warnings
-from ._errors import (
+from ._plumbing.errors import (
     AlreadyFrozenError,
     AmbiguousBlocksError,
     AmbiguousNameError,

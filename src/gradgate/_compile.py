@@ -21,11 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import InvalidOptionError
-from ._frames_compile import block_tracing
-from ._handles import Handle
+from ._plumbing.errors import InvalidOptionError
+from ._plumbing.frames_compile import block_tracing
+from ._plumbing.handles import Handle
+from ._plumbing.torch_internals import guards_hooks, needs
 from ._select import Pattern, resolve_blocks
-from ._torch_internals import guards_hooks, needs
 
 _MARK = "_gradgate_compiled_forward"
 

@@ -19,8 +19,6 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import nn
 
-from . import _torch_internals as internals
-from ._autograd import tensors_in
 from ._block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
@@ -36,7 +34,6 @@ from ._block_calls import (
     warn_shared_straddles,
 )
 from ._cut_blocks import GAP, BlockHooks
-from ._errors import BlockCallWarning, GradgateError, PlanNotAppliedWarning, warn
 from ._frames import (
     Frame,
     close_frame,
@@ -48,16 +45,19 @@ from ._frames import (
     set_prefix_mode,
 )
 from ._fsdp import FsdpPlan
-from ._handles import Handle
 from ._held import HeldFrozen, Learners, call_at_backward, graph_of
-from ._hook_set import HookSet
-from ._hooks import ForwardGuard, GateHook
 from ._plan_key import PlanKey
 from ._plan_tables import first_opener, lane_steps, opens_after
+from ._plumbing import torch_internals as internals
+from ._plumbing.autograd import tensors_in
+from ._plumbing.errors import BlockCallWarning, GradgateError, PlanNotAppliedWarning, warn
+from ._plumbing.handles import Handle
+from ._plumbing.hook_set import HookSet
+from ._plumbing.hooks import ForwardGuard, GateHook
+from ._plumbing.validate import check_choice
 from ._select import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
-from ._validate import check_choice
 
 PrefixMode = Literal["keep", "eval", "train"]
 _C = TypeVar("_C", bound="_Cut")

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_internals as internals
 from ._block_calls import (
     ResidualPaths,
     check_block_output_learns,
@@ -23,8 +22,9 @@ from ._block_calls import (
     pass_around,
 )
 from ._frames import THREAD, Frame, grad_held_off, open_frames
-from ._hooks import HookedForward
 from ._plan_tables import HOOKED, LEARNER, OPENS_GAP, OPENS_LAST, PREFIX, opening_step
+from ._plumbing import torch_internals as internals
+from ._plumbing.hooks import HookedForward
 from ._stacks import Stacks
 
 GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner

@@ -33,8 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ._autograd import saved_attributes, walk
-from ._errors import (
+from ._plumbing.autograd import saved_attributes, walk
+from ._plumbing.errors import (
     ExplainedError,
     GradgateError,
     GraphFreedError,
@@ -42,7 +42,7 @@ from ._errors import (
     InvalidOptionError,
     SavedTensorModifiedError,
 )
-from ._torch_internals import next_sequence_nr, sequence_nr, tree_flatten
+from ._plumbing.torch_internals import next_sequence_nr, sequence_nr, tree_flatten
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _VERSIONS = re.compile(

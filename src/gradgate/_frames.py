@@ -12,14 +12,15 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass, field
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _torch_internals as internals
-from ._errors import BlockCallError, CheckpointAfterCutWarning, warn
+from ._plumbing import torch_internals as internals
+from ._plumbing.errors import BlockCallError, CheckpointAfterCutWarning, warn
+from ._plumbing.hooks import CALL_SITES
 
 THREAD = threading.local()  # .frames: the gated root forwards in this thread, outermost first
 _EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for push_frame
@@ -162,7 +163,6 @@ def root_call_site() -> FrameType:
     return frame or sys._getframe(2)
 
 
-CALL_SITES: set[CodeType] = set()  # the wrappers' frames that call root hooks directly
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import GradgateError
 from ._held import graph_of
-from ._hook_set import HookSet
-from ._torch_internals import queue_after_backward
+from ._plumbing.errors import GradgateError
+from ._plumbing.hook_set import HookSet
+from ._plumbing.torch_internals import queue_after_backward
 
 
 def apply_plan_to_fsdp(

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._block_calls import require_a_forward
 from ._cut import PrefixMode, _Cut
-from ._errors import InvalidDepthError
+from ._plumbing.errors import InvalidDepthError
 from ._select import (
     Pattern,
     check_module,

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from ._errors import InvalidOptionError
+from ._plumbing.errors import InvalidOptionError
 from ._stacks import outside_modules
 
 

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._errors import InvalidOptionError
 from ._memory_plan import MemoryPlan, format_bytes, parse_bytes
+from ._plumbing.errors import InvalidOptionError
 
 _OPTIMIZERS = ("adamw", "adam", "sgd_momentum", "sgd")
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._block_discovery import find_blocks
-from ._errors import AmbiguousNameError, InvalidOptionError, UnknownModuleError
+from ._plumbing.errors import AmbiguousNameError, InvalidOptionError, UnknownModuleError
 
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")

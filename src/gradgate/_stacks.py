@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._errors import BlockCallError
 from ._frames import Frame
+from ._plumbing.errors import BlockCallError
 from ._select import ancestors
 
 

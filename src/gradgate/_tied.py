@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ._errors import SharedParameterWarning, warn
+from ._plumbing.errors import SharedParameterWarning, warn
 from ._select import Pattern, _match
 
 

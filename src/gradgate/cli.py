@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
 
 from . import _bench, _demo, _plan_command
-from ._errors import GradgateError
+from ._plumbing.errors import GradgateError
 
 DESCRIPTION = "gradgate decides where gradients flow in a PyTorch model, and proves it."
 EPILOG = 'Run "gradgate COMMAND --help" for the options of a command.'

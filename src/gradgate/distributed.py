@@ -29,14 +29,14 @@ from torch import nn
 
 from ._block_calls import distributed_running
 from ._bucket_tag import digits_per_element, disagreeing, encode
-from ._errors import GradgateError, RankMismatchError
 from ._fsdp import apply_plan_to_fsdp
-from ._handles import Handle
+from ._plumbing.errors import GradgateError, RankMismatchError
+from ._plumbing.handles import Handle
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from ._torch_internals import GradBucket
+    from ._plumbing.torch_internals import GradBucket
 
 __all__ = [
     "TrainedAllReduce",

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._errors import InvalidOptionError
 from ._optimizer import add_group, held
+from ._plumbing.errors import InvalidOptionError
 from ._select import Pattern, check_module, resolve_blocks
 
 if TYPE_CHECKING:

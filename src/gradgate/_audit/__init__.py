@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._errors import InvalidOptionError
+from .._plumbing.errors import InvalidOptionError
 from .._select import check_module
 from .kernels import require_cuda
 from .records import ModuleRecord, WastedGradient

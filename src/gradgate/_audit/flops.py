@@ -15,8 +15,12 @@ from typing import Any
 
 import torch
 
-from .._autograd import Node, storage_key, tensors_in
-from .._torch_internals import TorchDispatchMode, current_autograd_node, require_op_observer
+from .._plumbing.autograd import Node, storage_key, tensors_in
+from .._plumbing.torch_internals import (
+    TorchDispatchMode,
+    current_autograd_node,
+    require_op_observer,
+)
 
 Piece = tuple[tuple[int, ...], int]  # (storage keys of an op's outputs, its FLOPs)
 Formula = Callable[..., int]

@@ -1,6 +1,6 @@
 """The hooks behind an audit: which node did what in backward, and what the forward saved.
 
-Forward: a :class:`~gradgate._tagging.ModuleTagger` tags each autograd node with the module
+Forward: a :class:`~gradgate._plumbing.tagging.ModuleTagger` tags each autograd node with the module
 that created it, and saved-tensor hooks count the bytes saved for backward (each storage once;
 parameters and buffers excluded: the model holds them anyway). Backward: node hooks see which
 gradients each node computed (a ``None`` entry is a gradient not computed; the edge's target
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._autograd import (
+from .._plumbing.autograd import (
     Node,
     StorageBytes,
     inputs_of,
@@ -32,8 +32,8 @@ from .._autograd import (
     storage_key,
     walk,
 )
+from .._plumbing.tagging import ModuleTagger
 from .._select import ancestors
-from .._tagging import ModuleTagger
 from .flops import BackwardObserver, Piece
 from .kernels import KernelRecorder, KernelRow
 from .records import OUTSIDE, ModuleRecord, WastedGradient, WasteReason

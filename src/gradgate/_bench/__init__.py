@@ -254,7 +254,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _require(package: str, needed_by: str) -> None:
     if importlib.util.find_spec(package) is None:
-        from .._errors import MissingExtraError
+        from .._plumbing.errors import MissingExtraError
 
         raise MissingExtraError(
             f"the optional package {package!r} is not installed and {needed_by} needs it; "
@@ -264,7 +264,7 @@ def _require(package: str, needed_by: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m gradgate._bench [options]``: the same command without the ``gradgate`` CLI."""
-    from .._errors import GradgateError
+    from .._plumbing.errors import GradgateError
 
     parser = argparse.ArgumentParser(
         prog="python -m gradgate._bench", description=__doc__.split("\n\n")[0].replace("``", "")

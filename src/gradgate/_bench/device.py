@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import InvalidOptionError, NoCudaError
+from .._plumbing.errors import InvalidOptionError, NoCudaError
 
 Step = Callable[[], None]
 

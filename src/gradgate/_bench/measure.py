@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._autograd import StorageBytes, observe_saved, storage_key
+from .._plumbing.autograd import StorageBytes, observe_saved, storage_key
 from .methods import Runner
 from .workloads import Depth
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._errors import InvalidOptionError
+from .._plumbing.errors import InvalidOptionError
 from .methods import METHODS
 from .table import heading
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._progress import Progress
+from .._plumbing.progress import Progress
 from . import compiled, measure, overheads
 from .catalog import FACTORIES
 from .device import Meter, describe, meter_for

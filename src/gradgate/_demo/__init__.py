@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._errors import InvalidOptionError, MissingExtraError
-from .._progress import Progress
+from .._plumbing.errors import InvalidOptionError, MissingExtraError
+from .._plumbing.progress import Progress
 
 if TYPE_CHECKING:
     from ._answers import Answer

@@ -18,7 +18,7 @@ import torch
 
 import gradgate as gg
 
-from .._html import page
+from .._plumbing.html import page
 from ._scenarios import SETUP
 from ._tables import html_table, human_count
 

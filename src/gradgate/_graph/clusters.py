@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from .._autograd import Node, is_leaf
+from .._plumbing.autograd import Node, is_leaf
 from .._select import ancestors
 from .parts import (
     ClusterState,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._autograd import Node
+from .._plumbing.autograd import Node
 from .._select import ancestors
 
 NodeKind = Literal["op", "loss", "param", "frozen", "late_frozen", "cut", "input", "stop"]

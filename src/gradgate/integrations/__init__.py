@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import InvalidOptionError, MissingExtraError
 from .._gate import BackpropGate
+from .._plumbing.errors import InvalidOptionError, MissingExtraError
 from .._select import Pattern
 from ..optim import drop_finished
 from ..schedules import Plan, Schedule

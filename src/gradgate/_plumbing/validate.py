@@ -9,7 +9,7 @@ import math
 import operator
 from collections.abc import Iterable
 
-from ._errors import InvalidOptionError
+from .errors import InvalidOptionError
 
 
 def check_choice(option: str, value: object, allowed: Iterable[object]) -> None:

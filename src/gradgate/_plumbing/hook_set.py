@@ -8,7 +8,7 @@ run outside ``forward`` either way, and a module hook would turn off the fused k
 modules that look for their own hooks (``nn.TransformerEncoderLayer``).
 Where dynamo cannot be told to skip the wrapper's frame (torch 2.6, 2.7), a wrapper it traces
 calls them through their :class:`GateHook`, which it does not trace, as for module hooks
-(:class:`~gradgate._hooks.TracedHookedForward`).
+(:class:`~gradgate._plumbing.hooks.TracedHookedForward`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _torch_internals as internals
-from ._hooks import GateHook, HookedForward, hooked_forward
+from . import torch_internals as internals
+from .hooks import GateHook, HookedForward, hooked_forward
 
 
 class HookSet:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
-from ._errors import HandleUsedError, InvalidOptionError
+from .errors import HandleUsedError, InvalidOptionError
 
 _H = TypeVar("_H", bound="Handle")
 

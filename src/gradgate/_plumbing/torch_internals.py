@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import TorchVersionError
+from .errors import TorchVersionError
 
 
 def _lookup(module: str, *names: str) -> Any:

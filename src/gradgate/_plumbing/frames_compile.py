@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as internals
-from ._torch_internals import skip_frames
+from . import torch_internals as internals
+from .torch_internals import skip_frames
 
 _DISABLED: Any = None
 _BLOCK_COMPILER: ContextVar[Any] = ContextVar("gradgate_block_compiler", default=None)

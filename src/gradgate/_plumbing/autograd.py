@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._torch_internals import (
+from .torch_internals import (
     knows_saved_tensors_hooks,
     needs,
     outer_saved_tensors_hooks,

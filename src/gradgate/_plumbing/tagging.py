@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._autograd import Node, is_leaf, tensors_in, walk
-from ._hook_set import HookSet
-from ._hooks import GateHook
-from ._torch_internals import next_sequence_nr, sequence_nr
+from .autograd import Node, is_leaf, tensors_in, walk
+from .hook_set import HookSet
+from .hooks import GateHook
+from .torch_internals import next_sequence_nr, sequence_nr
 
 
 def runs_itself(module: nn.Module) -> bool:
