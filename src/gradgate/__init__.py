@@ -17,7 +17,7 @@ from importlib.metadata import version as _version
 from typing import Any as _Any
 
 # select: which modules?
-from ._select import blocks, select
+from ._select.names import blocks, select
 
 # gate: where does the graph start?
 from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at

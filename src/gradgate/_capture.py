@@ -26,7 +26,7 @@ from ._plumbing.hook_set import HookSet
 from ._plumbing.hooks import GateHook
 from ._plumbing.tagging import runs_itself
 from ._plumbing.torch_internals import tree_flatten, tree_unflatten
-from ._select import Pattern, check_module, check_patterns, resolve_modules
+from ._select.names import Pattern, check_module, check_patterns, resolve_modules
 
 
 class _Call:

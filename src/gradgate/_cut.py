@@ -55,7 +55,7 @@ from ._plumbing.handles import Handle
 from ._plumbing.hook_set import HookSet
 from ._plumbing.hooks import ForwardGuard, GateHook
 from ._plumbing.validate import check_choice
-from ._select import ancestors
+from ._select.names import ancestors
 from ._stacks import Stacks
 from ._stale_grads import CutGrads
 

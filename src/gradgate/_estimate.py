@@ -40,7 +40,7 @@ from ._plumbing.torch_internals import (
     tree_unflatten,
     value_dependent_errors,
 )
-from ._select import Pattern, check_module
+from ._select.names import Pattern, check_module
 
 # Optimizer -> (state tensors shaped like each parameter, bytes of per-parameter scalars).
 _OPTIMIZER_STATE = {

@@ -29,7 +29,7 @@ from ._optimizer import add_missing_near, refuse_foreign, remove_groups
 from ._plumbing.errors import AlreadyFrozenError, InvalidOptionError
 from ._plumbing.handles import Handle
 from ._plumbing.validate import check_choice
-from ._select import Pattern, _match, check_module, check_patterns
+from ._select.names import Pattern, _match, check_module, check_patterns
 from ._stale_grads import FrozenGrads
 from ._tied import warn_tied_outside
 

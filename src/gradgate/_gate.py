@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ._block_calls import require_a_forward
 from ._cut import PrefixMode, _Cut
 from ._plumbing.errors import InvalidDepthError
-from ._select import (
+from ._select.names import (
     Pattern,
     check_module,
     check_patterns,

@@ -12,7 +12,7 @@ from torch import nn
 
 from ._frames import Frame
 from ._plumbing.errors import BlockCallError
-from ._select import ancestors
+from ._select.names import ancestors
 
 
 class Stacks:

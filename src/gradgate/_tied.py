@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ._plumbing.errors import SharedParameterWarning, warn
-from ._select import Pattern, _match
+from ._select.names import Pattern, _match
 
 
 def warn_tied_outside(

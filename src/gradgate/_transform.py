@@ -41,7 +41,7 @@ from ._plumbing.hooks import GateHook
 from ._plumbing.tagging import runs_itself
 from ._plumbing.torch_internals import tree_flatten, tree_unflatten
 from ._plumbing.validate import check_choice
-from ._select import Pattern, check_module, check_patterns, resolve_modules
+from ._select.names import Pattern, check_module, check_patterns, resolve_modules
 
 On = Literal["params", "input", "both"]
 Count = Literal["forward", "manual"]

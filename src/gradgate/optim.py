@@ -18,7 +18,7 @@ from torch import nn
 
 from ._optimizer import add_group, held
 from ._plumbing.errors import InvalidOptionError
-from ._select import Pattern, check_module, resolve_blocks
+from ._select.names import Pattern, check_module, resolve_blocks
 
 if TYPE_CHECKING:
     from .schedules import Schedule

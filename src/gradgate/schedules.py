@@ -34,7 +34,7 @@ from ._plumbing.validate import (
     learn_items_option,
     probability_option,
 )
-from ._select import resolve_modules
+from ._select.names import resolve_modules
 
 __all__ = [
     "LISA",

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .._plumbing.errors import InvalidOptionError
-from .._select import check_module
+from .._select.names import check_module
 from .kernels import require_cuda
 from .records import ModuleRecord, WastedGradient
 from .report import AuditReport

@@ -33,7 +33,7 @@ from .._plumbing.autograd import (
     walk,
 )
 from .._plumbing.tagging import ModuleTagger
-from .._select import ancestors
+from .._select.names import ancestors
 from .flops import BackwardObserver, Piece
 from .kernels import KernelRecorder, KernelRow
 from .records import OUTSIDE, ModuleRecord, WastedGradient, WasteReason

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .._plumbing.autograd import Node
-from .._select import ancestors
+from .._select.names import ancestors
 
 NodeKind = Literal["op", "loss", "param", "frozen", "late_frozen", "cut", "input", "stop"]
 EdgeKind = Literal["grad", "cut", "to_stop"]

@@ -21,7 +21,7 @@ from torch import nn
 
 from .._gate import BackpropGate
 from .._plumbing.errors import InvalidOptionError, MissingExtraError
-from .._select import Pattern
+from .._select.names import Pattern
 from ..optim import drop_finished
 from ..schedules import Plan, Schedule
 

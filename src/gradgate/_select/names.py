@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._block_discovery import find_blocks
-from ._plumbing.errors import AmbiguousNameError, InvalidOptionError, UnknownModuleError
+from .._plumbing.errors import AmbiguousNameError, InvalidOptionError, UnknownModuleError
+from .blocks import find_blocks
 
 Pattern = str | int | slice
 _RANGE = re.compile(r"^\[?(-?\d*):(-?\d*)\]?$")

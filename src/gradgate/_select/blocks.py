@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ._plumbing.errors import AmbiguousBlocksError, NoBlocksError
+from .._plumbing.errors import AmbiguousBlocksError, NoBlocksError
 
 Members = list[tuple[str, nn.Module]]
 
