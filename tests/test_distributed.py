@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradgate as gg
 from gradgate._bench.distributed import counting_all_reduce
 from gradgate._bucket_tag import disagreeing, encode
-from gradgate._fsdp import FsdpPlan, _fsdp_param_groups
+from gradgate._cut.fsdp import FsdpPlan, _fsdp_param_groups
 from gradgate._plumbing.torch_internals import TORCH_RELEASE
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
-from gradgate import _cut as _cut_module
-from gradgate import _frames, _plan_tables, _stale_grads
 from gradgate._bench.bytecode import count
+from gradgate._cut import cut as _cut_module
+from gradgate._cut import frames as _frames
+from gradgate._cut import plans as _plan_tables
+from gradgate._cut import stale_grads as _stale_grads
 from gradgate._plumbing import torch_internals as internals
 from gradgate._plumbing.hooks import GateHook, HookedForward, TracedHookedForward
 

@@ -394,7 +394,7 @@ def test_gate_is_exact_with_torch_set_grad_enabled_as_the_grad_mode_setter(
 def test_distributed_running_follows_a_process_group_started_later(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, read_world: bool
 ) -> None:
-    from gradgate import _block_calls
+    from gradgate._cut import block_calls as _block_calls
 
     if not read_world:
         monkeypatch.setattr(_block_calls, "_WORLD", None)

@@ -20,8 +20,8 @@ from typing import Any as _Any
 from ._select.names import blocks, select
 
 # gate: where does the graph start?
-from ._gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
-from ._compile import compile_blocks
+from ._cut.gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
+from ._cut.compile import compile_blocks
 
 # freeze: which parameters learn?
 from ._freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze

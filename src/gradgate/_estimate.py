@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._gate import BackpropGate
+from ._cut.gate import BackpropGate
 from ._memory_plan import MemoryPlan, MemoryRow
 from ._plumbing.autograd import is_leaf, leaf_variable, observe_saved, tensors_in, walk
 from ._plumbing.errors import BlockCallWarning, EstimateError, InvalidDepthError, InvalidOptionError

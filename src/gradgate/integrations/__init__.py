@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._gate import BackpropGate
+from .._cut.gate import BackpropGate
 from .._plumbing.errors import InvalidOptionError, MissingExtraError
 from .._select.names import Pattern
 from ..optim import drop_finished

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._cut.stale_grads import LEARNERS_ONLY as _ATTRIBUTE  # read by the gate's step hook
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.handles import Handle
-from .._stale_grads import LEARNERS_ONLY as _ATTRIBUTE  # read by the gate's step hook
 
 __all__ = ["LearnersOnly", "step_learners_only", "step_learners_only_if_deepspeed"]
 

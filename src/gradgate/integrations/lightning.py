@@ -20,7 +20,7 @@ require("lightning", "lightning")
 from lightning.pytorch import Callback  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .._gate import BackpropGate  # noqa: E402
+from .._cut.gate import BackpropGate  # noqa: E402
 from .._plumbing.errors import InvalidOptionError  # noqa: E402
 from .._select.names import Pattern, find_module  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402

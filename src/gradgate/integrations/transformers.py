@@ -23,7 +23,7 @@ require("transformers", "transformers")
 
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from .._gate import BackpropGate  # noqa: E402
+from .._cut.gate import BackpropGate  # noqa: E402
 from .._plumbing.errors import InvalidOptionError  # noqa: E402
 from .._select.names import Pattern  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._held import graph_of
-from ._plumbing.errors import GradgateError
-from ._plumbing.hook_set import HookSet
-from ._plumbing.torch_internals import queue_after_backward
+from .._plumbing.errors import GradgateError
+from .._plumbing.hook_set import HookSet
+from .._plumbing.torch_internals import queue_after_backward
+from .held import graph_of
 
 
 def apply_plan_to_fsdp(

@@ -24,7 +24,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ._plumbing.errors import GradgateWarning, warn
+from .._plumbing.errors import GradgateWarning, warn
 
 LEARNERS_ONLY = "_gradgate_learners_only"  # on the optimizers step_learners_only splits
 

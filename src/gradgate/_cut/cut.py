@@ -19,7 +19,15 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import nn
 
-from ._block_calls import (
+from .._plumbing import torch_internals as internals
+from .._plumbing.autograd import tensors_in
+from .._plumbing.errors import BlockCallWarning, GradgateError, PlanNotAppliedWarning, warn
+from .._plumbing.handles import Handle
+from .._plumbing.hook_set import HookSet
+from .._plumbing.hooks import ForwardGuard, GateHook
+from .._plumbing.validate import check_choice
+from .._select.names import ancestors
+from .block_calls import (
     NOTHING_LEARNS,
     ResidualPaths,
     blocks_sharing_parameters,
@@ -33,8 +41,8 @@ from ._block_calls import (
     warn_learners_not_run,
     warn_shared_straddles,
 )
-from ._cut_blocks import GAP, BlockHooks
-from ._frames import (
+from .cut_blocks import GAP, BlockHooks
+from .frames import (
     Frame,
     close_frame,
     grad_held_off,
@@ -44,20 +52,11 @@ from ._frames import (
     root_call_site,
     set_prefix_mode,
 )
-from ._fsdp import FsdpPlan
-from ._held import HeldFrozen, Learners, call_at_backward, graph_of
-from ._plan_key import PlanKey
-from ._plan_tables import first_opener, lane_steps, opens_after
-from ._plumbing import torch_internals as internals
-from ._plumbing.autograd import tensors_in
-from ._plumbing.errors import BlockCallWarning, GradgateError, PlanNotAppliedWarning, warn
-from ._plumbing.handles import Handle
-from ._plumbing.hook_set import HookSet
-from ._plumbing.hooks import ForwardGuard, GateHook
-from ._plumbing.validate import check_choice
-from ._select.names import ancestors
-from ._stacks import Stacks
-from ._stale_grads import CutGrads
+from .fsdp import FsdpPlan
+from .held import HeldFrozen, Learners, call_at_backward, graph_of
+from .plans import PlanKey, first_opener, lane_steps, opens_after
+from .stacks import Stacks
+from .stale_grads import CutGrads
 
 PrefixMode = Literal["keep", "eval", "train"]
 _C = TypeVar("_C", bound="_Cut")
@@ -84,7 +83,7 @@ class _Cut(BlockHooks, Handle):
         self._key = PlanKey(model)
         self._learn: range | frozenset[int] | None = None  # None: no cut; a range for depth
         self._first: int | None = None  # the first block that opens the cut (per plan)
-        self._after: list[bool] = []  # per block, per plan: see _plan_tables
+        self._after: list[bool] = []  # per block, per plan: see plans
         self._steps: list[int] = []
         self._tables: dict[tuple[Any, ...], tuple[int, list[bool], list[int]]] = {}
         self._skip: frozenset[int] = frozenset()
@@ -117,7 +116,7 @@ class _Cut(BlockHooks, Handle):
         self._entered_at: int | None = None  # _forwards when a `with` block entered
         self._warns_unused = False  # backprop_depth / stop_gradient_at: a `with` block is its use
         if distributed_running():
-            from .distributed import require_find_unused_parameters
+            from .ranks import require_find_unused_parameters
 
             require_find_unused_parameters(model)
         self._hooks = HookSet()
@@ -186,7 +185,7 @@ class _Cut(BlockHooks, Handle):
 
     def _first_opener(self) -> int:
         """Position of the first learning block that is not skipped (n when there is none); the
-        plan's other tables (see _plan_tables) are made with it, once per plan: loops set the
+        plan's other tables (see plans) are made with it, once per plan: loops set the
         depth at every step, often to one they set before."""
         if self._first is None:
             key = (self._learn, self._skip, self._extra)
@@ -240,12 +239,12 @@ class _Cut(BlockHooks, Handle):
         if self._held.params and not any(f.gate is self for f in open_frames()):
             self._held.release()  # the last forward had no backward that reached its output
         if distributed and not self._ddp_checked:  # find a DDP wrapper once
-            from .distributed import calling_ddp, require_find_unused_parameters
+            from .ranks import calling_ddp, require_find_unused_parameters
 
             self._ddp_checked = True
             require_find_unused_parameters(calling_ddp())
         if self._check_ranks and (torch.is_grad_enabled() or grad_held_off()):
-            from .distributed import check_same_plan  # no graph (an evaluation): no averaging
+            from .ranks import check_same_plan  # no graph (an evaluation): no averaging
 
             check_same_plan(self._key(self._learn, self._skip, self._extra))
         grad = torch.is_grad_enabled()

@@ -8,10 +8,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor, nn
 
-from ._block_calls import require_a_forward
-from ._cut import PrefixMode, _Cut
-from ._plumbing.errors import InvalidDepthError
-from ._select.names import (
+from .._plumbing.errors import InvalidDepthError
+from .._select.names import (
     Pattern,
     check_module,
     check_patterns,
@@ -19,6 +17,8 @@ from ._select.names import (
     resolve_blocks,
     resolve_modules,
 )
+from .block_calls import require_a_forward
+from .cut import PrefixMode, _Cut
 
 
 class BackpropGate(_Cut):
@@ -58,7 +58,7 @@ class BackpropGate(_Cut):
         if not isinstance(check_ranks, bool):
             raise InvalidDepthError(f"check_ranks={check_ranks!r}; expected True or False.")
         if check_ranks:
-            from .distributed import check_same_plan  # noqa: F401  (fails early if missing)
+            from .ranks import check_same_plan  # noqa: F401  (fails early if missing)
         super().__init__(model, points, prefix_mode=prefix_mode, check_ranks=check_ranks)
         self._depth: int | None = None
         self.depth = depth

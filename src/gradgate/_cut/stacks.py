@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._frames import Frame
-from ._plumbing.errors import BlockCallError
-from ._select.names import ancestors
+from .._plumbing.errors import BlockCallError
+from .._select.names import ancestors
+from .frames import Frame
 
 
 class Stacks:

@@ -1,15 +1,19 @@
-"""A cut's tables for one plan: where the cut opens, where it opens for now, which blocks the
-hooks can pass over.
+"""A cut's plan in the forms its parts read, each made once per plan.
 
-The block hooks read them at every block of every forward; they are computed once per plan, at
-the first forward that needs them (setting a depth stays O(1)). ``learn`` is a range or a set of
-learning positions (``None``: no cut), ``skip`` the skipped positions, ``stack_of`` each block's
-stack.
+The tables the block hooks read at every block of every forward: where the cut opens, where it
+opens for now, which blocks the hooks can pass over (computed at the first forward that needs
+them, so setting a depth stays O(1)). ``learn`` is a range or a set of learning positions
+(``None``: no cut), ``skip`` the skipped positions, ``stack_of`` each block's stack.
+
+And :class:`PlanKey`, the plan as integers that every rank can compare
+(``BackpropGate(..., check_ranks=True)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+
+from torch import nn
 
 
 def first_opener(learn: Collection[int] | None, skip: Collection[int], n: int) -> int:
@@ -94,3 +98,37 @@ def opening_step(position: int, first: int, n: int) -> int:
     if position < min(first, n - 1):
         return OPENS_GAP
     return OPENS_LAST if position == n - 1 else OPENS
+
+
+class PlanKey:
+    """Learning blocks, skipped blocks and the learning modules that are not blocks.
+
+    A module is named by its position in ``model.named_modules()``, the same on every rank that
+    built the same model. Positions are looked up once per plan (a new ``extra`` tuple), not
+    every step.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> key = PlanKey(model)
+    >>> key(frozenset({1}), frozenset(), (model[0],))
+    (1, -2, -3, 1)
+    >>> key(None, frozenset(), ())
+    (-1, -2, -3)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._extra: tuple[nn.Module, ...] = ()
+        self._extra_key: tuple[int, ...] = ()
+
+    def __call__(
+        self,
+        learn: range | frozenset[int] | None,
+        skip: frozenset[int],
+        extra: tuple[nn.Module, ...],
+    ) -> tuple[int, ...]:
+        if extra is not self._extra:
+            order = {id(m): i for i, (_, m) in enumerate(self._model.named_modules())}
+            self._extra_key = tuple(sorted(order.get(id(m), -4) for m in extra))
+            self._extra = extra
+        blocks = (-1,) if learn is None else tuple(sorted(learn))
+        return (*blocks, -2, *sorted(skip), -3, *self._extra_key)

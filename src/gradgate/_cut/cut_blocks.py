@@ -1,5 +1,5 @@
 """The cut's hooks on its blocks, and on named and outside modules: where the cut opens and
-closes as they run (see :mod:`gradgate._cut`, whose ``_Cut`` holds the state they read).
+closes as they run (see :mod:`gradgate._cut.cut`, whose ``_Cut`` holds the state they read).
 
 The usual block before the cut takes :meth:`BlockHooks._block_lane`, one function with no hook
 dispatch: it runs at every block of every forward.
@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._block_calls import (
+from .._plumbing import torch_internals as internals
+from .._plumbing.hooks import HookedForward
+from .block_calls import (
     ResidualPaths,
     check_block_output_learns,
     freeze_for_call,
@@ -21,11 +23,9 @@ from ._block_calls import (
     outside_call,
     pass_around,
 )
-from ._frames import THREAD, Frame, grad_held_off, open_frames
-from ._plan_tables import HOOKED, LEARNER, OPENS_GAP, OPENS_LAST, PREFIX, opening_step
-from ._plumbing import torch_internals as internals
-from ._plumbing.hooks import HookedForward
-from ._stacks import Stacks
+from .frames import THREAD, Frame, grad_held_off, open_frames
+from .plans import HOOKED, LEARNER, OPENS_GAP, OPENS_LAST, PREFIX, opening_step
+from .stacks import Stacks
 
 GAP = -1  # Frame.frozen key: what is not a block's, frozen between the cut and the learner
 
@@ -123,7 +123,7 @@ class BlockHooks:
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
         """A block's call, the usual way: in order, in a frame the lane may take (see
-        Frame.lane), with its step in the plan's table (see _plan_tables.lane_steps). Before the
+        Frame.lane), with its step in the plan's table (see plans.lane_steps). Before the
         cut its hooks would only note it ran, close the cut if it opened for now, and open it for
         now after the block; after the first learner (which opened the cut and had its output
         checked), a learner's would only note it ran. Else its hooks run around it. One
@@ -209,7 +209,7 @@ class BlockHooks:
         return replaced
 
     def _open_after(self, frame: Frame, position: int) -> None:
-        """Open the cut for now after a block that does not learn (see _plan_tables); autocast's
+        """Open the cut for now after a block that does not learn (see plans); autocast's
         cache stays off until a learner runs."""
         frame.tentative = position
         self._open(frame, for_now=True)

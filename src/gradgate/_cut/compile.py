@@ -21,11 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from ._plumbing.errors import InvalidOptionError
-from ._plumbing.frames_compile import block_tracing
-from ._plumbing.handles import Handle
-from ._plumbing.torch_internals import guards_hooks, needs
-from ._select.names import Pattern, resolve_blocks
+from .._plumbing.errors import InvalidOptionError
+from .._plumbing.frames_compile import block_tracing
+from .._plumbing.handles import Handle
+from .._plumbing.torch_internals import guards_hooks, needs
+from .._select.names import Pattern, resolve_blocks
 
 _MARK = "_gradgate_compiled_forward"
 

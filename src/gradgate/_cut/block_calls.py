@@ -10,15 +10,15 @@ import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 
-from ._plumbing.autograd import leaf_variable, tensors_in, walk
-from ._plumbing.errors import (
+from .._plumbing.autograd import leaf_variable, tensors_in, walk
+from .._plumbing.errors import (
     BlockCallError,
     BlockCallWarning,
     CheckpointAfterCutWarning,
     SharedParameterWarning,
     warn,
 )
-from ._plumbing.torch_internals import DISTRIBUTED_WORLD, maybe_in_backward
+from .._plumbing.torch_internals import DISTRIBUTED_WORLD, maybe_in_backward
 
 
 def require_a_forward(model: nn.Module) -> None:

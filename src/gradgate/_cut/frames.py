@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._plumbing import torch_internals as internals
-from ._plumbing.errors import BlockCallError, CheckpointAfterCutWarning, warn
-from ._plumbing.hooks import CALL_SITES
+from .._plumbing import torch_internals as internals
+from .._plumbing.errors import BlockCallError, CheckpointAfterCutWarning, warn
+from .._plumbing.hooks import CALL_SITES
 
 THREAD = threading.local()  # .frames: the gated root forwards in this thread, outermost first
 _EVERY_THREAD: dict[int, list[Frame]] = {}  # the same lists, by thread, for push_frame

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._plumbing.autograd import tensors_in
-from ._plumbing.torch_internals import queue_after_backward
+from .._plumbing.autograd import tensors_in
+from .._plumbing.torch_internals import queue_after_backward
 
 
 class Learners:
