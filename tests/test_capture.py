@@ -8,8 +8,8 @@ from models import bert, cnn_with_batchnorm, gpt2
 from torch import nn
 
 import gradgate as gg
-from gradgate._capture import NoTensorError
 from gradgate._plumbing.errors import GradientNotReadyError, UnknownCaptureError
+from gradgate._tools.capture import NoTensorError
 
 
 class Product(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate import _freeze
+from gradgate._tools import freeze as _freeze
 
 HERE = str(Path(__file__).resolve())
 

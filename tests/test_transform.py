@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate._capture import NoTensorError
-from gradgate._transform import TransformError
+from gradgate._tools.capture import NoTensorError
+from gradgate._tools.transform import TransformError
 
 
 def _net() -> tuple[nn.Sequential, torch.Tensor]:

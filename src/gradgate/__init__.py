@@ -24,11 +24,11 @@ from ._cut.gate import BackpropGate, StopGradient, backprop_depth, stop_gradient
 from ._cut.compile import compile_blocks
 
 # freeze: which parameters learn?
-from ._freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
+from ._tools.freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
 from ._plumbing.handles import Handle
 
 # transform: how are gradients changed?
-from ._transform import (
+from ._tools.transform import (
     TransformHandle,
     clip_grad,
     grad_transform,
@@ -38,7 +38,7 @@ from ._transform import (
 )
 
 # capture: what are the inner gradients?
-from ._capture import CaptureHandle, capture_grads
+from ._tools.capture import CaptureHandle, capture_grads
 
 # audit: what did backward compute?
 from ._audit import AuditReport, audit

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._optimizer import add_group, held
 from ._plumbing.errors import InvalidOptionError
 from ._select.names import Pattern, check_module, resolve_blocks
+from ._tools.optimizer import add_group, held
 
 if TYPE_CHECKING:
     from .schedules import Schedule

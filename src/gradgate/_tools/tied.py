@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ._plumbing.errors import SharedParameterWarning, warn
-from ._select.names import Pattern, _match
+from .._plumbing.errors import SharedParameterWarning, warn
+from .._select.names import Pattern, _match
 
 
 def warn_tied_outside(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._plumbing.errors import InvalidOptionError
+from .._plumbing.errors import InvalidOptionError
 
 
 def held(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:

@@ -25,13 +25,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._cut.stale_grads import FrozenGrads
-from ._optimizer import add_missing_near, refuse_foreign, remove_groups
-from ._plumbing.errors import AlreadyFrozenError, InvalidOptionError
-from ._plumbing.handles import Handle
-from ._plumbing.validate import check_choice
-from ._select.names import Pattern, _match, check_module, check_patterns
-from ._tied import warn_tied_outside
+from .._cut.stale_grads import FrozenGrads
+from .._plumbing.errors import AlreadyFrozenError, InvalidOptionError
+from .._plumbing.handles import Handle
+from .._plumbing.validate import check_choice
+from .._select.names import Pattern, _match, check_module, check_patterns
+from .optimizer import add_missing_near, refuse_foreign, remove_groups
+from .tied import warn_tied_outside
 
 NormMode = Literal["keep", "eval"]
 

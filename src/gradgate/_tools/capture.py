@@ -15,18 +15,18 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._plumbing.errors import (
+from .._plumbing.errors import (
     GradientNotReadyError,
     InvalidOptionError,
     NoTensorError,
     UnknownCaptureError,
 )
-from ._plumbing.handles import Handle
-from ._plumbing.hook_set import HookSet
-from ._plumbing.hooks import GateHook
-from ._plumbing.tagging import runs_itself
-from ._plumbing.torch_internals import tree_flatten, tree_unflatten
-from ._select.names import Pattern, check_module, check_patterns, resolve_modules
+from .._plumbing.handles import Handle
+from .._plumbing.hook_set import HookSet
+from .._plumbing.hooks import GateHook
+from .._plumbing.tagging import runs_itself
+from .._plumbing.torch_internals import tree_flatten, tree_unflatten
+from .._select.names import Pattern, check_module, check_patterns, resolve_modules
 
 
 class _Call:

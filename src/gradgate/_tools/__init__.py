@@ -1,0 +1,9 @@
+"""Layer 4, gradient tools: which parameters learn, and what happens to their gradients.
+
+``freeze`` (``gg.freeze`` / ``frozen`` / ``unfreeze``, with ``tied``: the warning for a freeze
+that reaches a parameter another module shares, and ``optimizer``: adding or removing a frozen
+parameter's optimizer group), ``transform`` (``scale_grad``, ``reverse_grad``, ``clip_grad``,
+``zero_grad_of``, ``grad_transform``) and ``capture`` (``capture_grads``).
+
+May import: ``_plumbing``, ``_select``, ``_cut``.
+"""
