@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate._explain import GraphFreedError, InferenceTensorError, SavedTensorModifiedError
+from gradgate._observe.explain import (
+    GraphFreedError,
+    InferenceTensorError,
+    SavedTensorModifiedError,
+)
 
 
 class Affine(nn.Module):

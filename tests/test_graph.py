@@ -15,7 +15,7 @@ from models import conv_stack, gpt2
 from torch import nn
 
 import gradgate as gg
-from gradgate._graph import (
+from gradgate._observe.graph import (
     Graph,
     GraphNode,
     GraphvizError,

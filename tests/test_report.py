@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradgate as gg
-from gradgate._audit.kernels import (
+from gradgate._observe.audit.kernels import (
     KernelRow,
     NoCudaError,
     classify_kernel,
@@ -22,7 +22,7 @@ from gradgate._audit.kernels import (
     profile_kernels,
     render_kernel_table,
 )
-from gradgate._audit.render import SCHEMA
+from gradgate._observe.audit.render import SCHEMA
 
 SEED_WGRAD = "void cudnn::cnn::wgrad2d_grouped_direct_kernel<(bool)0, (bool)1, int, float>"
 SEED_DGRAD = "void cudnn::cnn::dgrad2d_grouped_direct_kernel<float, int, float, float>"
@@ -89,7 +89,7 @@ def test_html_escapes_model_derived_names(tmp_path: Path) -> None:
 @pytest.mark.slow  # a subprocess or a compile: seconds
 def test_import_stays_light() -> None:
     code = (
-        "import sys, gradgate, gradgate._audit, gradgate._graph; "
+        "import sys, gradgate, gradgate._observe.audit, gradgate._observe.graph; "
         "print(sorted(m for m in ('matplotlib', 'graphviz', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -147,7 +147,7 @@ def test_jupyter_shows_the_report_as_html_tables(late_freeze_report: gg.AuditRep
 
 
 def test_a_new_column_is_one_entry_in_the_records_module() -> None:
-    from gradgate._audit.records import COLUMNS, HEADERS, ModuleRecord
+    from gradgate._observe.audit.records import COLUMNS, HEADERS, ModuleRecord
 
     fields = {f for f in ModuleRecord.__dataclass_fields__ if f not in ("name", "type", "leaf")}
     assert [c.field for c in COLUMNS] == [

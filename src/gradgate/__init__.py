@@ -41,18 +41,18 @@ from ._tools.transform import (
 from ._tools.capture import CaptureHandle, capture_grads
 
 # audit: what did backward compute?
-from ._audit import AuditReport, audit
+from ._observe.audit import AuditReport, audit
 
 # estimate: how deep can I afford? memory per depth, planned on fake tensors
 from ._estimate import estimate
 from ._memory_plan import MemoryPlan, MemoryRow
 
 # graph: what does the graph look like?
-from ._graph import Graph, graph
+from ._observe.graph import Graph, graph
 
 # check and explain: which classic mistakes are present?
-from ._check import Finding, check
-from ._explain import explain
+from ._observe.check import Finding, check
+from ._observe.explain import explain
 
 # errors and warnings
 from ._plumbing.errors import (

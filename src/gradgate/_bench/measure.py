@@ -28,7 +28,7 @@ def flop_counter() -> Any:
     raises on them (the audit's attention formula is used there)."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    from .._audit.flops import attention_backward_flops
+    from .._observe.audit.flops import attention_backward_flops
 
     mapping = {}
     for name in _ATTENTION_BACKWARD:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._plumbing.errors import InvalidOptionError
+from ..._plumbing.errors import InvalidOptionError
 from .records import COLUMNS, HEADERS, ModuleRecord, WastedGradient, as_dict, cells, totals_of
 
 SCHEMA = "gradgate.audit/1"

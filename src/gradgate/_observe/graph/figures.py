@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from .._plumbing.errors import InvalidOptionError
+from ..._plumbing.errors import InvalidOptionError
 from .parts import GraphCluster, format_flops
 
 

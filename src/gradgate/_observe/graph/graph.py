@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import get_args
 
-from .._plumbing.errors import GraphvizError
-from .._plumbing.validate import check_choice
+from ..._plumbing.errors import GraphvizError
+from ..._plumbing.validate import check_choice
 from .dot import run_dot, to_dot
 from .parts import GraphCluster, GraphEdge, GraphNode, RenderFormat
 

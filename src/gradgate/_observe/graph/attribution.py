@@ -12,8 +12,8 @@ import functools
 
 from torch import nn
 
-from .._plumbing.autograd import Node, is_leaf, storage_key
-from .._plumbing.torch_internals import sequence_nr
+from ..._plumbing.autograd import Node, is_leaf, storage_key
+from ..._plumbing.torch_internals import sequence_nr
 from .parts import Walk, ancestors_and_self, common
 
 

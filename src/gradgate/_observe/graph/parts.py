@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._plumbing.autograd import Node
-from .._select.names import ancestors
+from ..._plumbing.autograd import Node
+from ..._select.names import ancestors
 
 NodeKind = Literal["op", "loss", "param", "frozen", "late_frozen", "cut", "input", "stop"]
 EdgeKind = Literal["grad", "cut", "to_stop"]

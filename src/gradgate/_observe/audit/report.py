@@ -6,8 +6,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from .._plumbing.errors import AuditNotReadyError, InvalidOptionError, NoBackwardWarning, warn
-from .._plumbing.html import page
+from ..._plumbing.errors import AuditNotReadyError, InvalidOptionError, NoBackwardWarning, warn
+from ..._plumbing.html import page
 from .records import ModuleRecord, WastedGradient
 from .render import Figures, dumps, html_sections, loads, render_table
 

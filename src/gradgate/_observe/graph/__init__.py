@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plumbing.autograd import Node
-from .._plumbing.errors import GraphvizError, GraphvizNotFoundError, NoGraphError
-from .._plumbing.tagging import ModuleTagger
+from ..._plumbing.autograd import Node
+from ..._plumbing.errors import GraphvizError, GraphvizNotFoundError, NoGraphError
+from ..._plumbing.tagging import ModuleTagger
 from .build import build, check_model
 from .graph import Graph
 from .parts import GraphCluster, GraphEdge, GraphNode

@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._plumbing.autograd import Node, is_leaf, root_node, saved_tensors, storage_bytes, storage_key
-from .._plumbing.torch_internals import sequence_nr
+from ..._plumbing.autograd import (
+    Node,
+    is_leaf,
+    root_node,
+    saved_tensors,
+    storage_bytes,
+    storage_key,
+)
+from ..._plumbing.torch_internals import sequence_nr
 from .attribution import ParamIndex
 from .parts import GraphEdge, GraphNode, NodeKind, Walk, format_bytes
 

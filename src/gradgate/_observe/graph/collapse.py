@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from .._select.names import ancestors
+from ..._select.names import ancestors
 from .parts import GraphCluster, GraphEdge, GraphNode
 
 

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ._plumbing.autograd import leaf_variable, walk
-from ._plumbing.errors import InvalidOptionError
+from .._plumbing.autograd import leaf_variable, walk
+from .._plumbing.errors import InvalidOptionError
 
 
 @dataclass(frozen=True)

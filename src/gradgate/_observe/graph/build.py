@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plumbing.autograd import Node, inputs_of, root_node, walk
-from .._plumbing.errors import InvalidOptionError, NoGraphError
-from .._plumbing.validate import check_choice
+from ..._plumbing.autograd import Node, inputs_of, root_node, walk
+from ..._plumbing.errors import InvalidOptionError, NoGraphError
+from ..._plumbing.validate import check_choice
 from .attribution import ParamIndex, attribute
 from .clusters import build_clusters, in_displayed, stop_marker
 from .collapse import collapse as collapse_runs

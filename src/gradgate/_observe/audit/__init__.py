@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._plumbing.errors import InvalidOptionError
-from .._select.names import check_module
+from ..._plumbing.errors import InvalidOptionError
+from ..._select.names import check_module
 from .kernels import require_cuda
 from .records import ModuleRecord, WastedGradient
 from .report import AuditReport

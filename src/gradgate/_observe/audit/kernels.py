@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._plumbing.errors import NoCudaError
+from ..._plumbing.errors import NoCudaError
 
 KernelKind = Literal["wgrad", "dgrad", "forward", "other"]
 _BACKWARD_RANGE = "autograd::engine::evaluate_function"

@@ -33,8 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ._plumbing.autograd import saved_attributes, walk
-from ._plumbing.errors import (
+from .._plumbing.autograd import saved_attributes, walk
+from .._plumbing.errors import (
     ExplainedError,
     GradgateError,
     GraphFreedError,
@@ -42,9 +42,9 @@ from ._plumbing.errors import (
     InvalidOptionError,
     SavedTensorModifiedError,
 )
-from ._plumbing.torch_internals import next_sequence_nr, sequence_nr, tree_flatten
+from .._plumbing.torch_internals import next_sequence_nr, sequence_nr, tree_flatten
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 _VERSIONS = re.compile(
     r"\[(?P<type>[\w.]+) \[(?P<shape>[^\]]*)\]\](?:, which is output \d+ of (?P<maker>\w+),)?"
     r" is at version (?P<now>\d+); expected version (?P<then>\d+)"

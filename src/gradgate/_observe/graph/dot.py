@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .._plumbing.errors import GraphvizError, GraphvizNotFoundError
+from ..._plumbing.errors import GraphvizError, GraphvizNotFoundError
 
 if TYPE_CHECKING:
     from .parts import GraphCluster, GraphEdge, GraphNode

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .._plumbing.autograd import Node, storage_key, tensors_in
-from .._plumbing.torch_internals import (
+from ..._plumbing.autograd import Node, storage_key, tensors_in
+from ..._plumbing.torch_internals import (
     TorchDispatchMode,
     current_autograd_node,
     require_op_observer,

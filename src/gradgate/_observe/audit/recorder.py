@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._plumbing.autograd import (
+from ..._plumbing.autograd import (
     Node,
     StorageBytes,
     inputs_of,
@@ -32,8 +32,8 @@ from .._plumbing.autograd import (
     storage_key,
     walk,
 )
-from .._plumbing.tagging import ModuleTagger
-from .._select.names import ancestors
+from ..._plumbing.tagging import ModuleTagger
+from ..._select.names import ancestors
 from .flops import BackwardObserver, Piece
 from .kernels import KernelRecorder, KernelRow
 from .records import OUTSIDE, ModuleRecord, WastedGradient, WasteReason

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from torch import nn
 
-from .._plumbing.autograd import Node, is_leaf
-from .._select.names import ancestors
+from ..._plumbing.autograd import Node, is_leaf
+from ..._select.names import ancestors
 from .parts import (
     ClusterState,
     GraphCluster,
