@@ -251,7 +251,7 @@ def test_budget_strings(text: str, expected: int) -> None:
     plan = gg.estimate(net, torch.randn(1, 2))
     peak = plan[2].peak_bytes
     assert plan.fits(text) == (2 if expected >= peak else None)
-    from gradgate._memory_plan import parse_bytes
+    from gradgate._memory.memory_plan import parse_bytes
 
     assert parse_bytes(text) == expected
 
@@ -269,7 +269,7 @@ def test_budget_strings(text: str, expected: int) -> None:
     ],
 )
 def test_bytes_are_written_with_the_unit_their_rounded_value_needs(size: int, text: str) -> None:
-    from gradgate._memory_plan import format_bytes
+    from gradgate._memory.memory_plan import format_bytes
 
     assert format_bytes(size) == text
 

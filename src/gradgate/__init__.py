@@ -44,8 +44,8 @@ from ._tools.capture import CaptureHandle, capture_grads
 from ._observe.audit import AuditReport, audit
 
 # estimate: how deep can I afford? memory per depth, planned on fake tensors
-from ._estimate import estimate
-from ._memory_plan import MemoryPlan, MemoryRow
+from ._memory.estimate import estimate
+from ._memory.memory_plan import MemoryPlan, MemoryRow
 
 # graph: what does the graph look like?
 from ._observe.graph import Graph, graph

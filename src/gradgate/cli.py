@@ -12,7 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
 
-from . import _bench, _demo, _plan_command
+from . import _bench, _demo
+from ._memory import plan_command as _plan_command
 from ._plumbing.errors import GradgateError
 
 DESCRIPTION = "gradgate decides where gradients flow in a PyTorch model, and proves it."

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._memory_plan import MemoryPlan, format_bytes, parse_bytes
-from ._plumbing.errors import InvalidOptionError
+from .._plumbing.errors import InvalidOptionError
+from .memory_plan import MemoryPlan, format_bytes, parse_bytes
 
 _OPTIMIZERS = ("adamw", "adam", "sgd_momentum", "sgd")
 
@@ -75,7 +75,7 @@ def plan_config(
     """Build the config's model on the meta device and plan it for ``batch`` x ``seq`` tokens."""
     import torch
 
-    from ._estimate import estimate
+    from .estimate import estimate
 
     config = _read_config(path)
     model = _meta_model(config)

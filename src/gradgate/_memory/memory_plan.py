@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._plumbing.errors import InvalidDepthError, InvalidOptionError
 
 _UNITS = {
     "": 1, "b": 1,

@@ -30,17 +30,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._cut.gate import BackpropGate
-from ._memory_plan import MemoryPlan, MemoryRow
-from ._plumbing.autograd import is_leaf, leaf_variable, observe_saved, tensors_in, walk
-from ._plumbing.errors import BlockCallWarning, EstimateError, InvalidDepthError, InvalidOptionError
-from ._plumbing.torch_internals import (
+from .._cut.gate import BackpropGate
+from .._plumbing.autograd import is_leaf, leaf_variable, observe_saved, tensors_in, walk
+from .._plumbing.errors import (
+    BlockCallWarning,
+    EstimateError,
+    InvalidDepthError,
+    InvalidOptionError,
+)
+from .._plumbing.torch_internals import (
     fake_tensor_mode,
     tree_flatten,
     tree_unflatten,
     value_dependent_errors,
 )
-from ._select.names import Pattern, check_module
+from .._select.names import Pattern, check_module
+from .memory_plan import MemoryPlan, MemoryRow
 
 # Optimizer -> (state tensors shaped like each parameter, bytes of per-parameter scalars).
 _OPTIMIZER_STATE = {
