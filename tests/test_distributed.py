@@ -32,9 +32,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
 from gradgate._bench.distributed import counting_all_reduce
-from gradgate._bucket_tag import disagreeing, encode
 from gradgate._cut.fsdp import FsdpPlan, _fsdp_param_groups
 from gradgate._plumbing.torch_internals import TORCH_RELEASE
+from gradgate.distributed._bucket_tag import disagreeing, encode
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from ._cut.stacks import outside_modules
-from ._plumbing.errors import InvalidOptionError
+from .._cut.stacks import outside_modules
+from .._plumbing.errors import InvalidOptionError
 
 
 class Gate(Protocol):

@@ -24,17 +24,17 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from ._plan import Gate as _Gate
-from ._plan import Plan, sorted_items
-from ._plumbing.errors import InvalidOptionError
-from ._plumbing.validate import (
+from .._plumbing.errors import InvalidOptionError
+from .._plumbing.validate import (
     check_choice,
     count_option,
     integer_option,
     learn_items_option,
     probability_option,
 )
-from ._select.names import resolve_modules
+from .._select.names import resolve_modules
+from ._plan import Gate as _Gate
+from ._plan import Plan, sorted_items
 
 __all__ = [
     "LISA",

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._cut.fsdp import apply_plan_to_fsdp
+from .._cut.ranks import calling_ddp, check_same_plan, require_find_unused_parameters
+from .._plumbing.errors import GradgateError, RankMismatchError
+from .._plumbing.handles import Handle
 from ._bucket_tag import digits_per_element, disagreeing, encode
-from ._cut.fsdp import apply_plan_to_fsdp
-from ._cut.ranks import calling_ddp, check_same_plan, require_find_unused_parameters
-from ._plumbing.errors import GradgateError, RankMismatchError
-from ._plumbing.handles import Handle
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from ._plumbing.torch_internals import GradBucket
+    from .._plumbing.torch_internals import GradBucket
 
 __all__ = [
     "TrainedAllReduce",
