@@ -830,5 +830,5 @@ def test_the_bytecode_count_takes_only_the_packages_own_files(tmp_path: Any) -> 
     assert not ours(clone / "tests" / "test_gate_cost.py")
     assert not ours(package.parent / "gradgate_extra" / "x.py")
     assert not ours(package / "_bench" / "run.py")
-    assert ours(package / "_cut.py")
-    assert ours(package / "_audit" / "recorder.py")
+    assert ours(package / "_cut" / "cut.py")
+    assert ours(package / "_observe" / "audit" / "recorder.py")

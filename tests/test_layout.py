@@ -1,5 +1,6 @@
-"""The package's structure: no import circle, nothing imports a module above it, no source
-file over 450 lines, and the audit and graph layers' plumbing comes from the shared modules."""
+"""The package's structure: one private package per layer and a lower layer never imports a
+higher one, no import circle, a tree anyone can scan, no source file over 450 lines, and the
+audit and graph's plumbing comes from the shared modules."""
 
 from __future__ import annotations
 
@@ -135,3 +136,66 @@ def test_private_torch_apis_only_in_torch_internals() -> None:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             name = _private_torch(node)
             assert not name, f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')}: {name}"
+
+
+# -- the tree shows the layers ----------------------------------------------------------------
+# Each private package is one layer; a module imports only from its own layer or lower ones.
+# `_hooks` stays at the top for pickles (what a copied gated model names) and is plumbing.
+LAYER_OF = {
+    "_plumbing": 1,
+    "_hooks": 1,
+    "_select": 2,
+    "_cut": 3,
+    "_tools": 4,
+    "_observe": 5,
+    "_memory": 5,
+}
+TOP = 6  # the public modules, the command line, the demo and the bench
+
+
+def _room(module: str) -> str:
+    """The top-level entry of gradgate a module lies in ('' for gradgate itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(module: str) -> int:
+    return LAYER_OF.get(_room(module), TOP)
+
+
+def test_a_lower_layer_never_imports_a_higher_one() -> None:
+    upward = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name, targets in _graph().items()
+        for target in targets
+        if _layer(target) > _layer(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_two_layers_of_layer_5_do_not_import_each_other() -> None:
+    crossing = [
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        for target in targets
+        if {_room(name), _room(target)} == {"_observe", "_memory"}
+    ]
+    assert not crossing, crossing
+
+
+def test_every_private_package_is_a_layer_that_says_what_it_may_import() -> None:
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and p.name.startswith("_")}
+    assert packages - {"_demo", "_bench", "__pycache__"} == set(LAYER_OF) - {"_hooks"}
+    for name in set(LAYER_OF) - {"_hooks"}:
+        doc = ast.get_docstring(ast.parse((SRC / name / "__init__.py").read_text()))
+        assert doc and "May import" in doc, name
+
+
+def test_a_tree_anyone_can_scan() -> None:
+    """At most 18 entries at the top, at most about 12 modules in a layer's folder."""
+    top = [p.name for p in SRC.iterdir() if p.name != "__pycache__"]
+    assert len(top) <= 18, sorted(top)
+    for folder in [SRC / name for name in LAYER_OF if (SRC / name).is_dir()]:
+        for sub in [folder, *(p for p in folder.iterdir() if p.is_dir())]:
+            modules = [p for p in sub.glob("*.py") if p.name != "__init__.py"]
+            assert len(modules) <= 12, (sub.relative_to(SRC), len(modules))

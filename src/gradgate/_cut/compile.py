@@ -9,7 +9,7 @@ inputs), so every depth reuses the same <= 3 graphs and nothing recompiles after
 The gate's hooks stay outside the compiled region: they live in ``Module.__call__``, and only
 ``forward`` is compiled. (``block.compile()`` compiles ``__call__`` with its hooks, which
 traces the gate's bookkeeping into the graphs.) ``torch.compile(model)`` of a gated model does
-the same per block by itself (see ``_frames_compile``); whole-model ``torch.compile`` with
+the same per block by itself (see ``_plumbing.frames_compile``); whole-model ``torch.compile`` with
 ``requires_grad`` toggling instead recompiles for every new depth.
 """
 

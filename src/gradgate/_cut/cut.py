@@ -7,7 +7,7 @@ order) runs frozen for that call, so gradients pass through it but it gets none;
 (DropBP) runs with no graph and the gradient passes around it through its residual path. The
 wrapper restores everything when ``forward`` returns or raises, ``KeyboardInterrupt`` included.
 Changing the plan is a field write; only with no plan at all do the block hooks come off (at
-the next forward), to come back when a plan is set. The block hooks are in ``_cut_blocks``.
+the next forward), to come back when a plan is set. The block hooks are in ``cut_blocks``.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class Frame:
     checked: bool = False  # the first learning block's output was checked
     explained: bool = False  # a warning already said why the output may have no graph
     shared_uses: dict[int, dict[bool, nn.Module]] = field(default_factory=dict)  # by opened
-    # the gate whose block lane may take this frame's blocks (see _cut_blocks): unset while an
+    # the gate whose block lane may take this frame's blocks (see cut_blocks): unset while an
     # outside module that ran before the learner waits for the next block's hooks
     lane: Any = None
     single: bool = False  # the only frame in its thread: opening the cut is turning grad on

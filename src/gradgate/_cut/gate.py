@@ -1,5 +1,5 @@
 """The gates: ``BackpropGate`` (a plan per step: depth, learn, skip), ``backprop_depth`` and
-``stop_gradient_at``. The mechanism is in ``_cut``."""
+``stop_gradient_at``. The mechanism is in ``cut``."""
 
 from __future__ import annotations
 

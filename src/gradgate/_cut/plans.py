@@ -46,7 +46,7 @@ def opens_after(
     return [not (p in learn and p not in skip) and of == stack for p, of in enumerate(stack_of)]
 
 
-# what the block lane does with a block called in order (see _cut_blocks.BlockHooks._block_lane)
+# what the block lane does with a block called in order (see cut_blocks.BlockHooks._block_lane)
 HOOKED = 0  # its hooks run around it
 LEARNER = 1  # after the cut: note that it ran
 PREFIX = 2  # before the cut: note that it ran (every step above LEARNER is before the cut)

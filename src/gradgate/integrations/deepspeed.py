@@ -20,7 +20,7 @@ gradient on any rank since the last step, else with ``.grad = None``. So each st
 own optimizer state and step count, as in plain torch, and state exists only for parameters
 that learned at least once. This module imports deepspeed only when it is called. A gate on a
 model that ZeRO steps without this handle warns at the first step whose plan leaves a block
-out (``_stale_grads``), with the line to add.
+out (``gradgate._cut.stale_grads``), with the line to add.
 """
 
 from __future__ import annotations
