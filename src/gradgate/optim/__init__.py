@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._plumbing.errors import InvalidOptionError
-from ._select.names import Pattern, check_module, resolve_blocks
-from ._tools.optimizer import add_group, held
+from .._plumbing.errors import InvalidOptionError
+from .._select.names import Pattern, check_module, resolve_blocks
+from .._tools.optimizer import add_group, held
 
 if TYPE_CHECKING:
-    from .schedules import Schedule
+    from ..schedules import Schedule
 
 __all__ = ["add_missing", "drop_finished", "drop_state", "param_groups", "state_bytes"]
 
@@ -259,7 +259,7 @@ def _shown(value: object) -> str:
 def _gate_parts(gate: object, schedule: object) -> tuple[list[tuple[str, nn.Module]], nn.Module]:
     """The blocks and the model of the gate ``drop_finished`` was given; refuses a gate or a
     schedule of the wrong kind before the schedule looks at either."""
-    from .schedules import Schedule
+    from ..schedules import Schedule
 
     points = getattr(gate, "_points", None)
     model = getattr(gate, "_model", None)
