@@ -2,8 +2,10 @@
 
 ``freeze`` (``gg.freeze`` / ``frozen`` / ``unfreeze``, with ``tied``: the warning for a freeze
 that reaches a parameter another module shares, and ``optimizer``: adding or removing a frozen
-parameter's optimizer group), ``transform`` (``scale_grad``, ``reverse_grad``, ``clip_grad``,
-``zero_grad_of``, ``grad_transform``) and ``capture`` (``capture_grads``).
+parameter's optimizer group), ``masters`` (``LearnerMasters``, exported by ``gg.optim``: fp32
+masters and optimizer state only for the parameters that learn), ``transform``
+(``scale_grad``, ``reverse_grad``, ``clip_grad``, ``zero_grad_of``, ``grad_transform``) and
+``capture`` (``capture_grads``).
 
 May import: ``_plumbing``, ``_select``, ``_cut``.
 """

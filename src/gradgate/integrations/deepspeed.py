@@ -20,7 +20,9 @@ gradient on any rank since the last step, else with ``.grad = None``. So each st
 own optimizer state and step count, as in plain torch, and state exists only for parameters
 that learned at least once. This module imports deepspeed only when it is called. A gate on a
 model that ZeRO steps without this handle warns at the first step whose plan leaves a block
-out (``gradgate._cut.stale_grads``), with the line to add.
+out (``gradgate._cut.stale_grads``), with the line to add. :class:`gradgate.optim.LearnerMasters`
+is refused: ZeRO keeps fp32 masters of every parameter itself (``keep_state=False`` gives
+BAdam's state reset with them).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from .._cut.stale_grads import LEARNERS_ONLY as _ATTRIBUTE  # read by the gate's step hook
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.handles import Handle
+from .._tools.masters import LearnerMasters
 
 __all__ = ["LearnersOnly", "step_learners_only", "step_learners_only_if_deepspeed"]
 
@@ -266,6 +269,7 @@ def _deepspeed_optimizer(engine: Any) -> Any:
     found = engine
     if isinstance(found, DeepSpeedEngine) or type(found).__name__ == "DeepSpeedOptimizerWrapper":
         found = found.optimizer  # the second: accelerate's, in the HF Trainer
+    _refuse_masters(found)  # stage 0 in fp32 steps the client optimizer itself
     if not type(found).__module__.startswith(("deepspeed.", "torch.optim")):
         raise InvalidOptionError(
             f"engine={engine!r:.80}; expected what deepspeed.initialize returned (the engine or "
@@ -299,6 +303,7 @@ def _kind(outer: Any) -> tuple[str, torch.optim.Optimizer]:
     _refuse(bool(getattr(outer, "zenflow", False)), stage, "zenflow")
     _refuse(bool(getattr(outer, "use_muon", False)), stage, "Muon (not element-wise)")
     base = outer.optimizer
+    _refuse_masters(base)
     _refuse(isinstance(base, torch.optim.Adagrad), stage, "Adagrad (state made eagerly)")
     if not isinstance(base, torch.optim.Optimizer):
         raise InvalidOptionError(
@@ -306,6 +311,21 @@ def _kind(outer: Any) -> tuple[str, torch.optim.Optimizer]:
             f"torch.optim.Optimizer; expected {_WORKS}."
         )
     return kind, base
+
+
+def _refuse_masters(optimizer: object) -> None:
+    """ZeRO owns the mixed precision: an fp32 master of every parameter, and its flat fp32
+    partitions in the client optimizer's groups, where LearnerMasters expects bf16 weights."""
+    if isinstance(optimizer, LearnerMasters):
+        raise InvalidOptionError(
+            "gg.optim.LearnerMasters under DeepSpeed: ZeRO keeps its own fp32 master of every "
+            "parameter and hands the optimizer its flat fp32 partitions, never the model's "
+            "bf16 weights, so masters only for what learns cannot be made; expected a torch "
+            "optimizer: deepspeed.initialize(optimizer=torch.optim.AdamW(...)) with "
+            "gg.integrations.deepspeed.step_learners_only(engine, keep_state=False) (Adam "
+            "state only for the current learners, as BAdam), or LearnerMasters without "
+            "DeepSpeed (DDP works)."
+        )
 
 
 def _refuse(present: bool, stage: int, what: str) -> None:

@@ -18,12 +18,20 @@ from torch import nn
 
 from .._plumbing.errors import InvalidOptionError
 from .._select.names import Pattern, check_module, resolve_blocks
+from .._tools.masters import LearnerMasters
 from .._tools.optimizer import add_group, held
 
 if TYPE_CHECKING:
     from ..schedules import Schedule
 
-__all__ = ["add_missing", "drop_finished", "drop_state", "param_groups", "state_bytes"]
+__all__ = [
+    "LearnerMasters",
+    "add_missing",
+    "drop_finished",
+    "drop_state",
+    "param_groups",
+    "state_bytes",
+]
 
 
 def param_groups(
@@ -137,6 +145,8 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     For parameters that rest (or never learn again): their ``.grad`` is set to ``None``, so the
     optimizer skips them even after ``zero_grad(set_to_none=False)``, and their moments are dead
     weight. Should one learn again, its state restarts from zero, as for a new parameter.
+    A :class:`LearnerMasters` rests them its own way: their masters and state are dropped, or
+    with ``offload="cpu"`` moved to the CPU (the bytes freed are those on the device).
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 1))
@@ -149,6 +159,8 @@ def drop_state(optimizer: torch.optim.Optimizer, params: nn.Module | Iterable[to
     """
     _optimizer(optimizer)
     going = _tensors(params)
+    if isinstance(optimizer, LearnerMasters):
+        return optimizer._rest_params(going)
     before = state_bytes(optimizer)
     for param in going:
         optimizer.state.pop(param, None)
@@ -162,10 +174,11 @@ def drop_finished(
     schedule: Schedule,
     step: int,
 ) -> int:
-    """Drop the optimizer state of the blocks ``schedule`` rests from ``step`` on.
+    """Drop the optimizer state of the blocks (and modules) ``schedule`` rests from ``step`` on.
 
-    That is the blocks that never learn again (FreezeOut, a shrinking depth), and under LISA
-    the blocks not drawn for ``step`` (they start afresh when drawn again).
+    That is the blocks that never learn again (FreezeOut, a shrinking depth), under LISA and
+    BAdam the blocks not drawn for ``step`` (they start afresh when drawn again), and under
+    ``Importance`` the modules inside blocks that were not drawn.
 
     ``gate`` is the :class:`gradgate.BackpropGate` the schedule drives. Parameters shared with
     a block (or module) that still learns are kept. Returns the bytes freed.
@@ -188,7 +201,8 @@ def drop_finished(
     points, model = _gate_parts(gate, schedule)
     schedule._bind(gate)
     finished = schedule.resting(step)
-    if not finished:
+    modules = schedule.resting_modules(step)
+    if not finished and not modules:
         return 0
     if len(points) != schedule.n:
         raise InvalidOptionError(
@@ -203,7 +217,16 @@ def drop_finished(
         going.pop(id(param), None)
     for kept in getattr(gate, "_keep", ()):  # named learners inside blocks ("h.*.ln_1")
         going.pop(kept, None)
+    going.update((id(p), p) for p in _resting_parameters(model, modules))
     return drop_state(optimizer, going.values())
+
+
+def _resting_parameters(model: nn.Module, names: Iterable[str]) -> list[nn.Parameter]:
+    """The parameters of the named modules that no other module of ``model`` holds."""
+    resting = [model.get_submodule(name) for name in names]
+    inside = {id(m) for module in resting for m in module.modules()}
+    held = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(False)}
+    return [p for module in resting for p in module.parameters() if id(p) not in held]
 
 
 def _block_rates(lr: float | Sequence[float], decay: float | None, n: int) -> list[float]:
