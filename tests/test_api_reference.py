@@ -41,6 +41,7 @@ SECTIONS = [
     ("graph", "What the graph looks like: graph"),
     ("check", "Classic mistakes: check and explain"),
     ("explain", "Classic mistakes: check and explain"),
+    ("choose", "Choosing what learns: choose"),
     ("schedules", "Plans per step: schedules"),
     ("optim", "Optimizers"),
     ("distributed", "Scale out: distributed"),
@@ -66,7 +67,7 @@ This page is generated from `gradgate.__all__` and the docstrings (`{REGENERATE}
 
 # The public submodules (DESIGN section 2b); they load on first use, so they may be absent from
 # ``__all__``; documented either way.
-SUBMODULES = ("distributed", "integrations", "optim", "schedules")
+SUBMODULES = ("choose", "distributed", "integrations", "optim", "schedules")
 
 
 def public_names() -> list[str]:

@@ -106,6 +106,22 @@ def test_import_is_light() -> None:
     assert result.stdout.strip() == ""
 
 
+def test_public_submodules_load_on_first_use() -> None:
+    code = (
+        "import sys, gradgate as gg\n"
+        "names = ('choose', 'distributed', 'integrations', 'optim', 'schedules')\n"
+        "print([n for n in names if 'gradgate.' + n in sys.modules])\n"
+        "print([getattr(gg, n).__name__ for n in names])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded, modules = result.stdout.splitlines()
+    assert loaded == "[]"
+    assert modules == str([f"gradgate.{n}" for n in ("choose", "distributed", "integrations",
+                                                     "optim", "schedules")])  # fmt: skip
+
+
 def test_errors_and_warnings_live_in_one_module_named_gradgate() -> None:
     kinds = [getattr(gg, n) for n in gg.__all__ if n.endswith(("Error", "Warning"))]
     assert kinds

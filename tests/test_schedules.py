@@ -548,3 +548,18 @@ def test_a_plan_with_embeddings_names_the_modules_around_the_blocks() -> None:
     for bad in ({"depth": 1, "embeddings": True}, {"embeddings": 1, "learn": frozenset({1})}):
         with pytest.raises(gg.InvalidOptionError, match=r"expected embeddings=True only with"):
             Plan(**bad)  # type: ignore[arg-type]
+
+
+def test_every_schedule_has_the_base_hooks_for_observing_and_logging() -> None:
+    net = residual_net()
+    gate = gg.BackpropGate(net)
+    for schedule in every_schedule():
+        plan = schedule.apply(gate, 3)
+        assert schedule.observe(net) is None  # pure schedules ignore the gradients
+        assert schedule.metrics(plan, N) == plan.metrics(N)
+        assert schedule.resting_modules(3) == frozenset()
+    with pytest.raises(gg.InvalidOptionError, match=r"step=-1 is out of range"):
+        RandomDepth(N).resting_modules(-1)
+    assert gg.schedules.Schedule.__module__ == "gradgate.schedules"
+    assert {"Importance", "Schedule", "Plan"} <= set(gg.schedules.__all__)
+    gate.remove()

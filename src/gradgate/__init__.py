@@ -97,7 +97,7 @@ except _NotInstalled:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 # Submodules with optional or heavier parts load on first attribute access (light import).
-_SUBMODULES = ("distributed", "integrations", "optim", "schedules")
+_SUBMODULES = ("choose", "distributed", "integrations", "optim", "schedules")
 
 
 def __getattr__(name: str) -> _Any:

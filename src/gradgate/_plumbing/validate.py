@@ -55,3 +55,17 @@ def learn_items_option(option: str, items: Iterable[int | str], n: int) -> froze
         else:
             found.add(count_option(f"{option} entry", item, low=-n, high=n - 1) % n)
     return frozenset(found)
+
+
+def fraction_option(option: str, value: object, *, meaning: str) -> float:
+    """A real number in (0, 1] (a share of something), else :class:`InvalidOptionError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidOptionError(
+            f"{option}={value!r}; expected a number in (0, 1], {meaning}, e.g. 0.25."
+        )
+    if not 0 < value <= 1:
+        raise InvalidOptionError(
+            f"{option}={value!r} is out of range; expected a number in (0, 1], {meaning}, "
+            "e.g. 0.25."
+        )
+    return float(value)

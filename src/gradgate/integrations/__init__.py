@@ -3,9 +3,11 @@
 ``from gradgate.integrations.transformers import GateCallback`` (an HF ``TrainerCallback``) and
 ``from gradgate.integrations.lightning import GateCallback`` (a Lightning ``Callback``) set the
 schedule's plan before every optimizer step's first forward (the same plan for every
-micro-batch of a step under gradient accumulation), log it to the trainer's own loggers, and
-drop the optimizer state of blocks that will never learn again. The plan follows the trainer's
-``global_step``, so a run resumed from a checkpoint continues the same sequence.
+micro-batch of a step under gradient accumulation), let the schedule observe the gradients
+before the optimizer step (``Importance`` scores modules by them), log the plan to the
+trainer's own loggers, and drop the optimizer state of blocks that will never learn again. The
+plan follows the trainer's ``global_step``, so a run resumed from a checkpoint continues the
+same sequence.
 
 This package imports neither transformers nor lightning; each submodule imports its own.
 """
@@ -82,6 +84,7 @@ class Driver:
         self.step: int | None = None
         self.plan: Plan | None = None
         self.dropped: frozenset[int] = frozenset()
+        self.dropped_modules: frozenset[str] = frozenset()
         self.hold_frozen = False  # freeze non-learning blocks for the whole step (checkpointing)
         self._held: list[nn.Parameter] = []
 
@@ -92,12 +95,7 @@ class Driver:
         if self.gate is None or not self.gate.active:
             self.gate = BackpropGate(model, self.blocks)
             self.owns_gate = True
-        if len(self.gate.blocks) != self.schedule.n:
-            raise InvalidOptionError(
-                f"{self.schedule!r} plans over {self.schedule.n} blocks but the gate has "
-                f"{len(self.gate.blocks)} ({self.gate.blocks[0]!r}...); build the schedule with "
-                f"n={len(self.gate.blocks)}."
-            )
+        self.schedule._check_gate(self.gate)
 
     def begin_step(self, step: int) -> Plan:
         """Set the plan of optimizer step ``step`` (once per step, whatever the micro-batches)."""
@@ -138,24 +136,31 @@ class Driver:
             param.requires_grad_(True)
         self._held = []
 
+    def observe(self) -> None:
+        """Let the schedule read this step's gradients (after backward, before the step)."""
+        if self.gate is not None and self.plan is not None:
+            self.schedule.observe(self.gate._model)
+
     def end_step(self, optimizers: Iterable[Any], next_step: int) -> None:
-        """Drop the state of the blocks the schedule rests from ``next_step`` on."""
+        """Drop the state of the blocks (and modules) the schedule rests from ``next_step`` on."""
         if not self.drop_state or self.gate is None:
             return
         finished = self.schedule.resting(next_step)
-        if finished == self.dropped:
+        modules = self.schedule.resting_modules(next_step)
+        if finished == self.dropped and modules == self.dropped_modules:
             return
         for optimizer in optimizers:
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate / Lightning wrappers
             if isinstance(inner, torch.optim.Optimizer):
                 drop_finished(inner, self.gate, self.schedule, next_step)
-        self.dropped = finished
+        self.dropped, self.dropped_modules = finished, modules
 
     def metrics(self) -> dict[str, float]:
-        """The current plan's numbers, named ``gradgate/...``."""
+        """The current plan's numbers (and the schedule's, such as Importance's scores and
+        pick counts), named ``gradgate/...``."""
         if self.plan is None or self.gate is None:
             return {}
-        found = self.plan.metrics(len(self.gate.blocks))
+        found = self.schedule.metrics(self.plan, len(self.gate.blocks))
         return {f"{PREFIX}{key}": float(value) for key, value in found.items()}
 
     def detach(self) -> None:

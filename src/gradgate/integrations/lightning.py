@@ -36,10 +36,15 @@ class GateCallback(Callback):  # type: ignore[misc]
     the same plan. Without a ``gate`` the callback gates, when fitting starts, the submodule
     named ``model`` (the one ``training_step`` calls, e.g. ``"net"``; ``None``: the
     LightningModule itself, for modules whose ``training_step`` calls ``self(...)``) and
-    removes that gate when fitting ends. The plan's numbers are logged with ``pl_module.log``
-    as ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
-    ``gradgate/skipped_blocks`` and ``gradgate/learning_share``. ``drop_state=True`` frees the
-    optimizer state of blocks the schedule says never learn again. With non-reentrant
+    removes that gate when fitting ends. ``on_before_optimizer_step`` (after accumulation, with
+    the gradients unscaled) calls ``schedule.observe(model)``, which
+    :class:`gradgate.schedules.Importance` scores modules by. The plan's numbers are logged with
+    ``pl_module.log`` as ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
+    ``gradgate/skipped_blocks`` and ``gradgate/learning_share`` (Importance:
+    ``gradgate/learning_modules``, ``gradgate/budget_used``, ``gradgate/score/<module>`` and
+    ``gradgate/picks/<module>``). ``drop_state=True`` frees the optimizer state of blocks the
+    schedule says never learn again (and of the modules Importance did not draw for the next
+    step). Checkpoints keep the schedule's ``state_dict()``. With non-reentrant
     activation checkpointing inside the blocks, pass ``freeze_for_step=True``: the blocks that
     do not learn in a step stay frozen for the whole step, so the backward's recomputation sees
     the flags their forward saw.
@@ -91,6 +96,9 @@ class GateCallback(Callback):  # type: ignore[misc]
         if self._driver.log:
             metrics = self._driver.metrics()
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._driver.observe()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

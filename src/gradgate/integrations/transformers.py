@@ -13,6 +13,8 @@ Usage (``n`` is the number of blocks, ``len(gg.blocks(model))``)::
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,11 +26,13 @@ require("transformers", "transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from .._cut.gate import BackpropGate  # noqa: E402
-from .._plumbing.errors import InvalidOptionError  # noqa: E402
+from .._plumbing.errors import GradgateWarning, InvalidOptionError, warn  # noqa: E402
 from .._select.names import Pattern  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402
 
 __all__ = ["GateCallback"]
+
+STATE_FILE = "gradgate_schedule.json"  # the schedule's state_dict() in each checkpoint
 
 
 class GateCallback(TrainerCallback):  # type: ignore[misc]
@@ -37,11 +41,21 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     The plan for optimizer step ``state.global_step`` is set in ``on_step_begin``, before the
     step's first forward; every micro-batch of a gradient-accumulation step uses it. Without a
     ``gate`` the callback gates the trainer's model (``blocks`` as for ``BackpropGate``) when
-    training begins and removes that gate when it ends. ``on_log`` adds ``gradgate/depth``
-    (for depth plans), ``gradgate/learning_blocks``, ``gradgate/skipped_blocks`` and
-    ``gradgate/learning_share`` to the logs; reporters registered before this callback (those
-    of ``report_to``) see them only after :meth:`put_first`. ``drop_state=True`` frees the
-    optimizer state of blocks the schedule says never learn again.
+    training begins and removes that gate when it ends. ``on_pre_optimizer_step`` (after the
+    gradients are accumulated, unscaled and clipped) calls ``schedule.observe(model)``, which
+    :class:`gradgate.schedules.Importance` scores modules by. ``on_log`` adds
+    ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
+    ``gradgate/skipped_blocks`` and ``gradgate/learning_share`` to the logs (Importance:
+    ``gradgate/learning_modules``, ``gradgate/budget_used``, ``gradgate/score/<module>`` and
+    ``gradgate/picks/<module>``); reporters registered before this callback (those of
+    ``report_to``) see them only after :meth:`put_first`. ``drop_state=True`` frees the
+    optimizer state of blocks the schedule says never learn again (and of the modules
+    Importance did not draw for the next step).
+
+    Each checkpoint gets the schedule's ``state_dict()`` as ``gradgate_schedule.json``;
+    ``trainer.train(resume_from_checkpoint=...)`` loads it back (the callback must have been
+    given to the Trainer, or placed with :meth:`put_first`), so that Importance's scores and
+    draw continue where they were.
 
     Works with non-reentrant gradient checkpointing
     (``gradient_checkpointing_kwargs={"use_reentrant": False}``): then (or with
@@ -77,6 +91,7 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
             )
         self._freeze_for_step = freeze_for_step
         self._deepspeed: Any = None  # LearnersOnly while the Trainer runs DeepSpeed
+        self._resume: Any = None  # train()'s resume_from_checkpoint, for the schedule's state
 
     @property
     def gate(self) -> BackpropGate | None:
@@ -114,6 +129,9 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
 
         @functools.wraps(train)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+            for callback in cleaners:
+                callback._resume = resume
             try:
                 return train(*args, **kwargs)
             except BaseException:
@@ -139,6 +157,7 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs["model"]
         self._driver.attach(model)
+        self._load_schedule(args)
         from .deepspeed import step_learners_only_if_deepspeed
 
         self._deepspeed = step_learners_only_if_deepspeed(kwargs.get("optimizer"))
@@ -149,6 +168,9 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._driver.begin_step(state.global_step)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._driver.observe()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
@@ -164,8 +186,37 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)  # the Trainer copied logs there just before
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not (state.is_world_process_zero and os.path.isdir(folder)):
+            return
+        schedule = self._driver.schedule
+        try:
+            text = json.dumps(schedule.state_dict())
+        except (TypeError, ValueError) as error:  # a custom schedule's config
+            warn(
+                f"the checkpoint {folder!r} keeps no schedule state: {schedule!r}'s state_dict() "
+                f"is not JSON ({error}); return JSON types from its _config() to resume it.",
+                GradgateWarning,
+            )
+            return
+        with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as file:
+            file.write(text)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._clean_up()
+
+    def _load_schedule(self, args: Any) -> None:
+        """Continue the schedule from the checkpoint train() resumes from, if it has one."""
+        folder, self._resume = self._resume, None
+        if folder is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            folder = get_last_checkpoint(args.output_dir)
+        path = os.path.join(folder, STATE_FILE) if isinstance(folder, str) else None
+        if path is not None and os.path.isfile(path):
+            with open(path, encoding="utf-8") as file:
+                self._driver.schedule.load_state_dict(json.load(file))
 
 
 def _constructing_trainer() -> Any:

@@ -1,7 +1,9 @@
-"""A schedule's plan for one step: a depth or a learning set, and a skip set."""
+"""A schedule's plan for one step (a depth or a learning set, and a skip set), and the base
+class of every schedule."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -10,6 +12,7 @@ from torch import nn
 
 from .._cut.stacks import outside_modules
 from .._plumbing.errors import InvalidOptionError
+from .._plumbing.validate import count_option, integer_option
 
 
 class Gate(Protocol):
@@ -105,6 +108,127 @@ class Plan:
 
 
 Plan.__module__ = "gradgate.schedules"  # documented and pickled as gg.schedules.Plan
+
+
+class Schedule:
+    """Base of every schedule: a plan per step, seeded, resumable.
+
+    Subclasses implement ``_plan(step)`` and ``_config()``; ``finished(step)`` says which blocks
+    will never learn again from ``step`` on (their optimizer state can go, see
+    :func:`gradgate.optim.drop_finished`). A schedule that learns from the gradients
+    (:class:`gradgate.schedules.Importance`) reads them in :meth:`observe`, which the trainer
+    callbacks call after each backward; the others ignore it.
+    """
+
+    def __init__(self, n: int, *, seed: int = 0) -> None:
+        self.n = count_option("n", n, low=1)
+        self.seed = integer_option("seed", seed)
+        self.next_step = 0
+
+    # -- the plan ------------------------------------------------------------------------------
+    def plan(self, step: int) -> Plan:
+        """The plan for ``step`` (a pure function of the configuration, the seed and ``step``)."""
+        return self._plan(count_option("step", step, low=0))
+
+    def apply(self, gate: Gate, step: int | None = None) -> Plan:
+        """Set the plan for ``step`` on ``gate`` and return it.
+
+        Without ``step`` the schedule counts itself: ``next_step`` (saved by
+        :meth:`state_dict`), then one more on each call.
+        """
+        self._check_gate(gate)
+        self._bind(gate)
+        step = self.next_step if step is None else step
+        plan = self.plan(step)
+        plan.apply(gate)
+        self.next_step = step + 1
+        return plan
+
+    def observe(self, model: nn.Module) -> None:
+        """Read the gradients of the step that just ran (after backward, before the optimizer
+        step and ``zero_grad``); schedules that draw by gradient use them, the others ignore it."""
+
+    def metrics(self, plan: Plan, n: int) -> dict[str, float]:
+        """Numbers to log for ``plan`` on a gate of ``n`` blocks (see :meth:`Plan.metrics`)."""
+        return plan.metrics(n)
+
+    def finished(self, step: int) -> frozenset[int]:
+        """Blocks that learn at no step ``>= step`` (none, unless the schedule says so)."""
+        count_option("step", step, low=0)
+        return frozenset()
+
+    def resting(self, step: int) -> frozenset[int]:
+        """Blocks whose optimizer state goes before ``step``: the finished ones here; LISA also
+        lets the blocks it did not draw for ``step`` start afresh when drawn again."""
+        return self.finished(step)
+
+    def resting_modules(self, step: int) -> frozenset[str]:
+        """Names of modules inside blocks whose optimizer state goes before ``step`` (none here;
+        Importance: the candidates it did not draw for ``step``)."""
+        count_option("step", step, low=0)
+        return frozenset()
+
+    # -- resuming ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the same sequence."""
+        return {
+            "schedule": type(self).__name__,
+            "config": self._config(),
+            "seed": self.seed,
+            "next_step": self.next_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; the schedule must be built with the same configuration."""
+        keys = ("schedule", "config", "seed", "next_step")
+        missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+        if missing:
+            raise InvalidOptionError(
+                f"state={state!r:.80} lacks {missing}; expected the dict that "
+                f"{type(self).__name__}.state_dict() returned."
+            )
+        expected = {"schedule": type(self).__name__, "config": self._config()}
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise InvalidOptionError(
+                    f"the state's {key} is {state.get(key)!r} but this {type(self).__name__} "
+                    f"has {value!r}; build the schedule with the same arguments as the run "
+                    "that saved the state."
+                )
+        seed = integer_option("seed", state["seed"])
+        self.next_step = count_option("next_step", state["next_step"], low=0)
+        self.seed = seed
+
+    # -- for subclasses ------------------------------------------------------------------------
+    def _plan(self, step: int) -> Plan:
+        raise NotImplementedError
+
+    def _check_gate(self, gate: Gate) -> None:
+        """Refuse a gate with another number of blocks than the schedule plans over."""
+        blocks = len(gate.blocks)
+        if blocks != self.n:
+            raise InvalidOptionError(
+                f"{self!r} plans over {self.n} blocks but the gate has {blocks}; build the "
+                f"schedule with n={blocks} (len(gate.blocks))."
+            )
+
+    def _bind(self, gate: Any) -> None:
+        """Look up what depends on the gated model (LISA: ``always`` names that are blocks)."""
+
+    def _config(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def _rng(self, *key: int) -> random.Random:
+        """A generator that depends only on the schedule, its seed and ``key`` (no global RNG)."""
+        text = ":".join(str(k) for k in (type(self).__name__, self.seed, *key))
+        return random.Random(text)  # str seeds hash with SHA-512: stable across processes
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items() if k != "n")
+        return f"{type(self).__name__}({self.n}{', ' if args else ''}{args}, seed={self.seed})"
+
+
+Schedule.__module__ = "gradgate.schedules"  # documented as gg.schedules.Schedule
 
 
 def around_blocks(gate: Any) -> frozenset[str]:
