@@ -20,7 +20,6 @@ from models import bert, cnn_with_batchnorm, gpt2, llama
 from torch import nn
 
 import gradgate as gg
-from gradgate import cli
 from gradgate._plumbing.torch_internals import TORCH_RELEASE
 
 GiB = 1024**3
@@ -60,20 +59,18 @@ def test_saved_bytes_equal_the_audit_at_every_depth_on_transformers(name: str) -
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_without_a_mask_only_the_causal_mask_is_added(name: str) -> None:
-    # Fake tensors hide the position ids' values, so transformers builds the causal mask that
-    # it skips on real data, and each learning layer's attention saves it (as floats).
+def test_without_a_mask_the_saved_bytes_are_exact(name: str) -> None:
+    # Integer inputs stay real in the plan, so transformers sees that the batch has no
+    # padding and skips the causal mask, as on real data (it used to be built and saved).
     if name == "llama" and TORCH_RELEASE < (
         2,
         8,
     ):  # measured on 2.6 and 2.7: 12 kB under the audit at depth 3
         pytest.skip("before torch 2.8 the fake unmasked Llama attention saves less than the real")
     model, batch, _ = TRANSFORMERS[name]()
-    batch_size, seq = batch["input_ids"].shape
     plan = gg.estimate(model, **batch, depths=[0, 3])
     for depth in [0, 3]:
-        extra = plan[depth].saved_bytes - audited_saved_bytes(model, (), batch, depth)
-        assert 0 <= extra <= (depth + 1) * batch_size * seq * seq * 4, (depth, extra)
+        assert plan[depth].saved_bytes == audited_saved_bytes(model, (), batch, depth), depth
 
 
 def test_with_a_cache_an_unpadded_llama_is_exact() -> None:
@@ -166,19 +163,13 @@ def test_the_learners_of_every_output_count_not_only_the_first() -> None:
     assert plan[0].grad_bytes == (4 * 3 + 3 + 4 + 1) * 4  # both heads: 80 bytes, not 60 or 20
 
 
-def test_peak_is_the_sum_of_the_four_figures() -> None:
-    model, batch, _ = llama()
-    for row in gg.estimate(model, **batch).rows:
-        parts = row.param_bytes + row.grad_bytes + row.optimizer_bytes + row.saved_bytes
-        assert row.peak_bytes == parts
-
-
 def test_a_meta_model_gives_the_same_rows_as_the_real_one() -> None:
     real, batch, _ = llama()
     with torch.device("meta"):
         meta, _, _ = llama()
     meta_batch = {k: v.to("meta") for k, v in batch.items()}
-    assert gg.estimate(meta, **meta_batch).rows == gg.estimate(real, **batch).rows
+    # a meta model is planned for CUDA by default: ask for the CPU's rules to compare
+    assert gg.estimate(meta, **meta_batch, device="cpu").rows == gg.estimate(real, **batch).rows
     assert all(p.is_meta for p in meta.parameters())
 
 
@@ -228,11 +219,11 @@ def test_fits_picks_the_largest_depth_under_the_budget() -> None:
     plan = gg.estimate(model, **batch, depths=range(4))
     peaks = [row.peak_bytes for row in plan.rows]
     assert peaks == sorted(peaks) and len(set(peaks)) == 4
-    assert plan.fits(peaks[2]) == 2
-    assert plan.fits(peaks[2] - 1) == 1
-    assert plan.fits(f"{peaks[3]}B") == 3
+    assert plan.fits(peaks[2], headroom=0) == 2
+    assert plan.fits(peaks[2] - 1, headroom=0) == 1
+    assert plan.fits(f"{peaks[3]}B", headroom=0) == 3
     assert plan.fits("24GiB") == 3
-    assert plan.fits(peaks[0] - 1) is None
+    assert plan.fits(peaks[0] - 1, headroom=0) is None
     assert plan.fits("0.001 KiB") is None
 
 
@@ -250,7 +241,7 @@ def test_budget_strings(text: str, expected: int) -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     plan = gg.estimate(net, torch.randn(1, 2))
     peak = plan[2].peak_bytes
-    assert plan.fits(text) == (2 if expected >= peak else None)
+    assert plan.fits(text, headroom=0) == (2 if expected >= peak else None)
     from gradgate._memory.memory_plan import parse_bytes
 
     assert parse_bytes(text) == expected
@@ -278,12 +269,16 @@ def test_table_json_and_html() -> None:
     model, batch, _ = gpt2()
     plan = gg.estimate(model, **batch, depths=[0, 3])
     table = plan.table()
-    assert "GPT2LMHeadModel" in table and "adamw" in table
-    header = table.splitlines()[2].split()
-    assert header == ["depth", "params", "grads", "optimizer", "saved", "peak"]
-    assert len(table.splitlines()) == 3 + 1 + 2
+    assert "GPT2LMHeadModel" in table and "adamw" in table and "planned for cpu" in table
+    lines = table.splitlines()
+    header = lines[2].split()
+    assert header == ["depth", "params", "grads", "optimizer", "saved", "other", "peak", "phase"]
+    assert lines[5].split()[:3] == ["3", "(all", "blocks)"]
+    assert lines[-1].startswith("all blocks: what runs before the first block")
+    assert len(lines) == 3 + 1 + 2 + 1
     data = json.loads(plan.to_json())
     assert data["model"] == "GPT2LMHeadModel" and data["optimizer"] == "adamw"
+    assert (data["amp"], data["masters"], data["device"]) == (None, None, "cpu")
     assert data["rows"][1] == {
         "depth": 3,
         "learn": None,
@@ -291,10 +286,14 @@ def test_table_json_and_html() -> None:
         "grad_bytes": plan[3].grad_bytes,
         "optimizer_bytes": plan[3].optimizer_bytes,
         "saved_bytes": plan[3].saved_bytes,
+        "other_bytes": plan[3].other_bytes,
         "peak_bytes": plan[3].peak_bytes,
+        "peak_phase": plan[3].peak_phase,
     }
+    assert plan[3].peak_phase in ("forward", "backward", "step") and plan[3].other_bytes > 0
     html = plan._repr_html_()
     assert html.startswith("<table") and html.count("<tr>") == 3 and "peak" in html
+    assert "<td>" + plan[3].peak_phase + "</td>" in html
 
 
 def test_bad_input_names_the_value_and_the_fix() -> None:
@@ -317,44 +316,6 @@ def test_bad_input_names_the_value_and_the_fix() -> None:
         plan.fits(-1)
     with pytest.raises(gg.InvalidDepthError, match=r"no row for depth 1.*\[0, 2\]"):
         gg.estimate(net, x, depths=[0, 2])[1]
-
-
-def test_cli_plans_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "num_hidden_layers": 4,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 300,
-        "max_position_embeddings": 64,
-        "torch_dtype": "bfloat16",
-    }
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    status = cli.main(["plan", str(path), "--batch", "2", "--seq", "16", "--memory", "2MiB"])
-    out, err = capsys.readouterr()
-    assert (status, err) == (0, ""), err
-    assert "LlamaForCausalLM" in out and "bfloat16" in out
-    lines = out.splitlines()
-    assert lines[2].split() == ["depth", "params", "grads", "optimizer", "saved", "peak"]
-    assert [line.split()[0] for line in lines[4:8]] == ["0", "1", "2", "4"]
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(AutoConfig.from_pretrained(str(path)))
-    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    plan = gg.estimate(model, input_ids=ids, labels=ids, dtype=torch.bfloat16)
-    best = plan.fits("2MiB")
-    assert f"largest depth that fits in 2MiB: {best}" in out
-
-
-def test_cli_plan_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli.main(["plan", str(tmp_path / "missing.json"), "--batch", "1", "--seq", "8"])
-    err = capsys.readouterr().err
-    assert status != 0 and err.count("\n") == 1 and "missing.json" in err
 
 
 LLAMA_70B = """
@@ -390,6 +351,9 @@ def test_a_70b_llama_is_planned_in_a_minute_in_2_gib() -> None:
     assert full["depth"] == 80
     assert full["param_bytes"] == 2 * 70_553_706_496  # Llama-3-70B's parameter count, bf16
     assert full["optimizer_bytes"] == 2 * full["grad_bytes"] + 4 * (80 * 9 + 2)
+    # the whole step: AdamW's foreach temporary (the meta model is planned for CUDA) on top
+    parts = full["param_bytes"] + full["grad_bytes"] + full["optimizer_bytes"]
+    assert full["peak_phase"] == "step" and full["peak_bytes"] >= parts + full["grad_bytes"]
 
 
 class ReadsValues(nn.Module):

@@ -17,15 +17,28 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _BUDGET = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-_COLUMNS = ("params", "grads", "optimizer", "saved", "peak")
+_COLUMNS = ("params", "grads", "optimizer", "saved", "other", "peak", "phase")
+# fits()'s default headroom over the peak, per target: (bytes, fraction of the peak). Provisional
+# until measured on a GPU: CUDA's cuBLAS/cuDNN workspaces and allocator fragmentation, which
+# no simulation sees (the CUDA context is outside the budget torch can allocate anyway); on the
+# CPU, kernel scratch such as oneDNN's (+1.3% measured on a CNN).
+HEADROOM = {"cuda": (512 * 2**20, 0.05), "cpu": (0, 0.05)}
 
 
 @dataclass(frozen=True)
 class MemoryRow:
     """Bytes of one training step at one depth (or for one learning set).
 
-    ``peak_bytes`` is the sum of the four others: parameters, gradients (learners only),
-    optimizer state (learners only) and the activations saved for backward.
+    ``param_bytes`` (every parameter), ``grad_bytes`` and ``optimizer_bytes`` (the learners'
+    gradients and optimizer state, masters included) and ``saved_bytes`` (activations saved for
+    backward, over the whole forward) are exact totals. ``peak_bytes`` is the most memory live
+    at once in the simulated step (forward, backward, ``optimizer.step()``, ``zero_grad``),
+    reached in ``peak_phase``; ``other_bytes`` is what is live then beyond the model, the
+    gradients, the optimizer state and the saved activations (the loss's transients,
+    recomputed checkpointed blocks, the optimizer's temporaries, autocast's weight copies).
+    The peak is not the sum of the parts: when it happens, some saved activations may be
+    freed already and some gradients not made yet. ``depth`` and ``learn`` are both ``None``
+    for a full fine-tune (no cut: every parameter learns).
     """
 
     depth: int | None
@@ -35,13 +48,16 @@ class MemoryRow:
     optimizer_bytes: int
     saved_bytes: int
     peak_bytes: int
+    other_bytes: int = 0
+    peak_phase: str | None = None
 
     @property
     def label(self) -> str:
-        """``"3"`` for depth 3, ``"learn {1, 4}"`` for a learning set."""
-        if self.learn is None:
-            return str(self.depth)
-        return "learn {" + ", ".join(map(str, _ordered(self.learn))) + "}"
+        """``"3"`` for depth 3, ``"learn {1, 4}"`` for a learning set, ``"full"`` for a full
+        fine-tune."""
+        if self.learn is not None:
+            return "learn {" + ", ".join(map(str, _ordered(self.learn))) + "}"
+        return "full" if self.depth is None else str(self.depth)
 
     def as_dict(self) -> dict[str, object]:
         """The row as plain JSON values (a learning set as a sorted list)."""
@@ -53,7 +69,9 @@ class MemoryRow:
             "grad_bytes": self.grad_bytes,
             "optimizer_bytes": self.optimizer_bytes,
             "saved_bytes": self.saved_bytes,
+            "other_bytes": self.other_bytes,
             "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
         }
 
     def _figures(self) -> tuple[int, ...]:
@@ -62,6 +80,7 @@ class MemoryRow:
             self.grad_bytes,
             self.optimizer_bytes,
             self.saved_bytes,
+            self.other_bytes,
             self.peak_bytes,
         )
 
@@ -86,13 +105,26 @@ class MemoryPlan:
     """
 
     def __init__(
-        self, model: str, rows: Sequence[MemoryRow], *, optimizer: str, dtype: str, blocks: int
+        self,
+        model: str,
+        rows: Sequence[MemoryRow],
+        *,
+        optimizer: str,
+        dtype: str,
+        blocks: int,
+        amp: str | None = None,
+        masters: str | None = None,
+        device: str = "cpu",
     ) -> None:
         self.model = model
         self.rows: tuple[MemoryRow, ...] = tuple(rows)
         self.optimizer = optimizer
         self.dtype = dtype
         self.blocks = blocks
+        self.amp = amp
+        self.masters = masters
+        self.device = device
+        self.labels: dict[MemoryRow, str] = {}  # a row's name in the table, if not its label
 
     def __getitem__(self, key: int | Iterable[int | str]) -> MemoryRow:
         """The row of depth ``key`` (an integer) or of the learning set ``key``."""
@@ -110,51 +142,103 @@ class MemoryPlan:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def fits(self, budget: int | float | str) -> int | frozenset[int | str] | None:
-        """The largest depth (or learning set with the most gradient bytes) whose predicted
-        peak is at most ``budget`` (bytes, or a string such as ``"24GiB"`` or ``"80 GB"``);
-        ``None`` when no row fits."""
+    def fits(
+        self, budget: int | float | str, headroom: int | float | str | None = None
+    ) -> int | frozenset[int | str] | None:
+        """The largest depth (or learning set with the most gradient bytes) whose peak plus
+        ``headroom`` is at most ``budget`` (bytes, or a string such as ``"24GiB"`` or
+        ``"80 GB"``); ``None`` when no row fits.
+
+        ``headroom=None`` is the default of the plan's device (:meth:`headroom_for`): on CUDA
+        512 MiB + 5% of the peak, on the CPU 5% of the peak. Pass ``headroom=0`` for the bare
+        peak, or bytes of your own. A full fine-tune row (``gradgate plan`` adds one) is not a
+        depth: its own ``peak_bytes`` answers for it.
+        """
         limit = parse_bytes(budget)
-        fitting = [row for row in self.rows if row.peak_bytes <= limit]
+        extra = None if headroom is None else parse_bytes(headroom)
+        fitting = [
+            row
+            for row in self.rows
+            if (row.depth is not None or row.learn is not None)
+            and row.peak_bytes + (self.headroom_for(row) if extra is None else extra) <= limit
+        ]
         if not fitting:
             return None
         best = max(fitting, key=lambda r: (r.grad_bytes, -1 if r.depth is None else r.depth))
         return best.depth if best.learn is None else best.learn
 
+    def headroom_for(self, row: MemoryRow) -> int:
+        """The default headroom :meth:`fits` adds to ``row``'s peak, in bytes. Provisional:
+        512 MiB + 5% on CUDA (workspaces, allocator fragmentation), 5% on the CPU; see
+        docs/depth-fits.md."""
+        return default_headroom(row.peak_bytes, self.device)
+
+    def _label(self, row: MemoryRow) -> str:
+        if row in self.labels:
+            return self.labels[row]
+        if row.learn is None and row.depth is None:
+            return "full fine-tune"
+        if row.learn is None and row.depth == self.blocks:
+            return f"{row.depth} (all blocks)"
+        return row.label
+
+    def _notes(self) -> list[str]:
+        labels = [self._label(row) for row in self.rows]
+        notes = []
+        if any(label.endswith("(all blocks)") for label in labels):
+            notes.append(
+                "all blocks: what runs before the first block (the embeddings) stays frozen"
+            )
+        if "full fine-tune" in labels:
+            notes.append("full fine-tune: no cut, every parameter learns, embeddings included")
+        return notes
+
+    def _title(self) -> str:
+        how = [f"{self.blocks} blocks", self.dtype]
+        if self.amp:
+            how.append(f"autocast {self.amp}")
+        if self.masters:
+            how.append(f"{self.masters} masters")
+        how += [f"optimizer {self.optimizer}", f"planned for {self.device}"]
+        return f"{self.model}: memory of one training step per depth ({', '.join(how)})"
+
     def table(self) -> str:
         """A text table: one line per row, sizes in binary units."""
-        cells = [[row.label, *map(format_bytes, row._figures())] for row in self.rows]
+        cells = [
+            [self._label(row), *map(format_bytes, row._figures()), row.peak_phase or ""]
+            for row in self.rows
+        ]
         first = max([len("depth"), *(len(c[0]) for c in cells)])
         widths = [
             max([len(name), *(len(c[i + 1]) for c in cells)]) for i, name in enumerate(_COLUMNS)
         ]
+
+        def line(label: str, values: Sequence[str]) -> str:
+            right = [v.rjust(w) for v, w in zip(values[:-1], widths, strict=False)]
+            return "  ".join([label.ljust(first), *right, values[-1].ljust(widths[-1])]).rstrip()
+
         lines = [
-            f"{self.model}: memory of one training step per depth ({self.blocks} blocks, "
-            f"{self.dtype}, optimizer {self.optimizer})",
-            "peak = params + grads + optimizer state + activations saved for backward",
-            "  ".join(
-                ["depth".ljust(first), *(n.rjust(w) for n, w in zip(_COLUMNS, widths, strict=True))]
-            ),
-            "  ".join(["-" * first, *("-" * w for w in widths)]),
+            self._title(),
+            "peak = the most bytes live at once in the simulated step (forward, backward, "
+            "optimizer step); other = live then beyond params, grads, optimizer state and "
+            "saved activations",
+            line("depth", _COLUMNS),
+            line("-" * first, ["-" * w for w in widths]),
+            *(line(cell[0], cell[1:]) for cell in cells),
         ]
-        for cell in cells:
-            lines.append(
-                "  ".join(
-                    [
-                        cell[0].ljust(first),
-                        *(c.rjust(w) for c, w in zip(cell[1:], widths, strict=True)),
-                    ]
-                )
-            )
-        return "\n".join(lines)
+        return "\n".join([*lines, *self._notes()])
 
     def to_json(self) -> str:
-        """The plan as JSON: model, dtype, optimizer, blocks and the rows in bytes."""
+        """The plan as JSON: model, dtype, amp, masters, optimizer, device, blocks and the rows
+        in bytes."""
         return json.dumps(
             {
                 "model": self.model,
                 "dtype": self.dtype,
+                "amp": self.amp,
+                "masters": self.masters,
                 "optimizer": self.optimizer,
+                "device": self.device,
                 "blocks": self.blocks,
                 "rows": [row.as_dict() for row in self.rows],
             },
@@ -165,20 +249,29 @@ class MemoryPlan:
         head = "".join(f"<th>{name}</th>" for name in ("depth", *_COLUMNS))
         body = "".join(
             "<tr>"
-            + f"<td>{html.escape(row.label)}</td>"
+            + f"<td>{html.escape(self._label(row))}</td>"
             + "".join(
                 f'<td style="text-align:right">{format_bytes(v)}</td>' for v in row._figures()
             )
+            + f"<td>{html.escape(row.peak_phase or '')}</td>"
             + "</tr>"
             for row in self.rows
         )
-        caption = html.escape(
-            f"{self.model}: {self.dtype}, optimizer {self.optimizer}, {self.blocks} blocks"
-        )
+        caption = html.escape(self._title())
         return f"<table><caption>{caption}</caption><tr>{head}</tr>{body}</table>"
 
     def __repr__(self) -> str:
         return f"<MemoryPlan {self.model}: {len(self.rows)} rows>\n{self.table()}"
+
+
+def default_headroom(peak_bytes: int, device: str) -> int:
+    """The headroom :meth:`MemoryPlan.fits` adds by default to a peak on ``device``.
+
+    >>> default_headroom(2**30, "cuda") == 512 * 2**20 + 2**30 // 20, default_headroom(100, "cpu")
+    (True, 5)
+    """
+    fixed, fraction = HEADROOM.get(device, HEADROOM["cuda"])
+    return fixed + int(fraction * peak_bytes)
 
 
 def parse_bytes(budget: object) -> int:

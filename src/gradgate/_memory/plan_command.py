@@ -1,18 +1,31 @@
 """``gradgate plan CONFIG.json --batch B --seq S``: memory per depth of a transformers config,
-built on the ``meta`` device (no weights, no download) and planned by :func:`gradgate.estimate`.
+built on the ``meta`` device (no weights, no download) and planned as :func:`gradgate.estimate`
+plans, for CUDA. With ``--memory``, every depth around the budget is planned, so that the
+answer is the largest depth that fits, not only one of 0, 1, 2, 4, ...
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._plumbing.errors import InvalidOptionError
-from .memory_plan import MemoryPlan, format_bytes, parse_bytes
+from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .configs import (
+    check_seq,
+    default_blocks,
+    embedding_names,
+    example_inputs,
+    meta_model,
+    quiet_transformers,
+    read_config,
+)
+from .memory_plan import MemoryPlan, MemoryRow, default_headroom, format_bytes, parse_bytes
+from .options import OPTIMIZERS, default_depths
 
-_OPTIMIZERS = ("adamw", "adam", "sgd_momentum", "sgd")
+if TYPE_CHECKING:
+    from .estimate import StepPlanner
 
 
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,28 +35,68 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="memory per depth of a transformers config, and the largest depth that fits",
         description="Plan the memory of one training step per depth (the last k blocks "
         "learn) for a transformers config file: the model is built on the meta device, so "
-        "a 70B config is planned on a laptop. Causal language models include their loss. "
-        'Needs transformers: pip install "gradgate[bench]".',
+        "a 70B config is planned on a laptop. The whole step is simulated (forward with the "
+        "loss, backward, optimizer step), for a CUDA device. Decoder-only, encoder-decoder and "
+        'vision configs. Needs transformers: pip install "gradgate[bench]".',
     )
     parser.add_argument("config", type=Path, metavar="CONFIG.json", help="a config.json file")
     parser.add_argument(
         "--batch", type=_positive_int, required=True, metavar="B", help="batch size"
     )
     parser.add_argument(
-        "--seq", type=_positive_int, required=True, metavar="S", help="sequence length"
+        "--seq", type=_positive_int, metavar="S", help="sequence length (text models)"
     )
     parser.add_argument(
         "--memory",
         metavar="SIZE",
-        help="memory budget, e.g. 24GiB: print the largest depth that fits",
+        help="memory budget, e.g. 24GiB: plan the depths around it, print the largest that fits",
     )
     parser.add_argument(
+        "--headroom",
+        metavar="SIZE",
+        help="kept free on top of the peak (default: 512MiB + 5%% of the peak)",
+    )
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument(
         "--dtype",
         metavar="DTYPE",
         help="parameter dtype, e.g. bf16 (default: the config's, else fp32)",
     )
+    precision.add_argument(
+        "--amp",
+        choices=("bf16", "fp16"),
+        help="fp32 weights, the forward under torch.autocast in this dtype",
+    )
     parser.add_argument(
-        "--optimizer", choices=_OPTIMIZERS, default="adamw", help="optimizer state (default: adamw)"
+        "--masters",
+        choices=("fp32",),
+        help="fp32 masters and optimizer state for the learners only (gg.optim.LearnerMasters)",
+    )
+    parser.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="adamw", help="the optimizer (default: adamw)"
+    )
+    parser.add_argument(
+        "--depths",
+        type=_depths_text,
+        metavar="LIST",
+        help="depths to plan: 0,1,2,8 or ranges 0-4,8 or all (default: 0, 1, 2, 4, ... all)",
+    )
+    parser.add_argument(
+        "--learn-embeddings",
+        action="store_true",
+        help="the input embeddings learn too, at every depth",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with gradient checkpointing (transformers' gradient_checkpointing_enable)",
+    )
+    parser.add_argument(
+        "--blocks",
+        nargs="+",
+        metavar="PATTERN",
+        help="the block sequence, e.g. 'decoder.block.*' (default: found; for an "
+        "encoder-decoder, the encoder's blocks then the decoder's)",
     )
     parser.set_defaults(run=_run_command)
 
@@ -58,70 +111,160 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _depths_text(text: str) -> list[tuple[int, int]] | str:
+    """``"all"``, or ``0,1,2`` / ``0-4,8`` as inclusive (first, last) ranges."""
+    if text.strip() == "all":
+        return "all"
+    ranges = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not (first.isdigit() and (not last or last.isdigit())):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a list of depths; expected e.g. 0,1,2,8 or 0-4,8 or all"
+            )
+        ranges.append((int(first), int(last or first)))
+    return ranges
+
+
 def _run_command(args: argparse.Namespace) -> int:
     budget = None if args.memory is None else parse_bytes(args.memory)
+    headroom = None if args.headroom is None else parse_bytes(args.headroom)
     plan = plan_config(
-        args.config, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer
+        args.config,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        amp=args.amp,
+        masters=args.masters,
+        optimizer=args.optimizer,
+        depths=args.depths,
+        learn_embeddings=args.learn_embeddings,
+        checkpointing=args.checkpointing,
+        blocks=args.blocks,
+        budget=budget,
+        headroom=headroom,
     )
     print(plan.table())
     if budget is not None:
-        print(_verdict(plan, args.memory, budget))
+        print(verdict(plan, args.memory, budget, headroom))
     return 0
 
 
 def plan_config(
-    path: Path, *, batch: int, seq: int, dtype: str | None = None, optimizer: str = "adamw"
+    path: Path,
+    *,
+    batch: int,
+    seq: int | None = None,
+    dtype: str | None = None,
+    amp: str | None = None,
+    masters: str | None = None,
+    optimizer: str = "adamw",
+    depths: list[tuple[int, int]] | str | None = None,
+    learn_embeddings: bool = False,
+    checkpointing: bool = False,
+    blocks: list[str] | None = None,
+    budget: int | None = None,
+    headroom: int | None = None,
 ) -> MemoryPlan:
-    """Build the config's model on the meta device and plan it for ``batch`` x ``seq`` tokens."""
-    import torch
+    """Build the config's model on the meta device and plan it for ``batch`` x ``seq``: the
+    depths asked (with a budget, also every depth around it), then a full fine-tune."""
+    from .estimate import StepPlanner  # the planner loads torch: on first use
 
-    from .estimate import estimate
-
-    config = _read_config(path)
-    model = _meta_model(config)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    inputs: dict[str, Any] = {"input_ids": ids}
-    if type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
-        inputs["labels"] = ids  # the loss is part of the step: logits in fp32, log-softmax
-    return estimate(model, **inputs, optimizer=optimizer, dtype=dtype or _config_dtype(config))
-
-
-def _read_config(path: Path) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        reason = getattr(error, "strerror", None) or str(error)
+    if amp is not None and masters is not None:
         raise InvalidOptionError(
-            f"cannot read {str(path)!r} as a config ({reason}); expected the path of a "
-            "transformers config.json, e.g. one saved by config.save_pretrained(folder)."
-        ) from None
-    model_type = data.pop("model_type", None) if isinstance(data, dict) else None
-    if not isinstance(model_type, str):
-        raise InvalidOptionError(
-            f'{str(path)!r} has no "model_type"; expected a transformers config.json with '
-            'e.g. "model_type": "llama".'
+            "--masters fp32 keeps float32 masters of low-precision weights, and --amp keeps "
+            "float32 weights: expected --dtype bf16 --masters fp32, or --amp alone."
         )
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except ValueError as error:
-        raise InvalidOptionError(f"{str(path)!r}: {error}") from None
+    with quiet_transformers():
+        config = read_config(path)
+        check_seq(config, seq)
+        model = meta_model(config, checkpointing=checkpointing)
+        inputs = example_inputs(model, config, batch, seq)
+        planner = StepPlanner(
+            model,
+            (),
+            inputs,
+            optimizer=optimizer,
+            dtype="fp32" if amp else dtype or _config_dtype(config),  # autocast: fp32 weights
+            amp=amp,
+            masters=masters,
+            device="cuda",
+            blocks=blocks if blocks is not None else default_blocks(model),
+        )
+        with planner:
+            extra = embedding_names(model) if learn_embeddings else []
+            fits = None if budget is None else _fits(budget, headroom)
+            rows = _depth_rows(planner, depths, extra, fits)
+            full = planner.row(None)
+    plan = planner.result([rows[depth] for depth in sorted(rows)] + [full])
+    for depth, found in rows.items():
+        if extra:
+            shown = f"{depth} (all blocks)" if depth == planner.blocks else str(depth)
+            plan.labels[found] = f"{shown} + embeddings"
+    return plan
 
 
-def _meta_model(config: Any) -> Any:
-    import torch
-    import transformers
+def _depth_rows(
+    planner: StepPlanner,
+    depths: list[tuple[int, int]] | str | None,
+    extra: list[str],
+    fits: Callable[[MemoryRow], bool] | None,
+) -> dict[int, MemoryRow]:
+    """The rows asked for, by depth; with ``fits``, also those around the budget."""
+    n = planner.blocks
 
-    names = getattr(config, "architectures", None) or []
-    with torch.device("meta"):
-        for name in names:
-            if isinstance(getattr(transformers, name, None), type):
-                return getattr(transformers, name)(config)
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:  # not a language model: the bare model
-            return transformers.AutoModel.from_config(config)
+    def row(depth: int) -> MemoryRow:
+        if not extra:
+            return planner.row(depth)
+        return planner.row(frozenset([*range(n - depth, n), *extra]))
+
+    rows = {depth: row(depth) for depth in _chosen(depths, n)}
+    if fits is not None:
+        _around(rows, row, n, fits)
+    return rows
+
+
+def _fits(budget: int, headroom: int | None) -> Callable[[MemoryRow], bool]:
+    def fits(row: MemoryRow) -> bool:
+        room = default_headroom(row.peak_bytes, "cuda") if headroom is None else headroom
+        return row.peak_bytes + room <= budget
+
+    return fits
+
+
+def _chosen(depths: list[tuple[int, int]] | str | None, n: int) -> list[int]:
+    if depths is None:
+        return default_depths(n)
+    if isinstance(depths, str):  # "all"
+        return list(range(n + 1))
+    chosen: list[int] = []
+    for first, last in depths:
+        if not 0 <= first <= last <= n:
+            raise InvalidDepthError(
+                f"--depths {first}-{last} is out of range: the model has {n} blocks; "
+                f"expected depths in 0..{n}, e.g. --depths 0-{n} or --depths all."
+            )
+        chosen += range(first, last + 1)
+    return sorted(set(chosen))
+
+
+def _around(
+    rows: dict[int, MemoryRow],
+    row: Callable[[int], MemoryRow],
+    n: int,
+    fits: Callable[[MemoryRow], bool],
+) -> None:
+    """Plan the depths between the largest that fits and the next that does not, by halving
+    (the peak grows with the depth), until they are neighbours."""
+    if 0 not in rows:
+        rows[0] = row(0)
+    fitting = [depth for depth, found in rows.items() if fits(found)]
+    low = max(fitting, default=-1)
+    high = min((depth for depth in rows if depth > low and not fits(rows[depth])), default=n + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        rows[middle] = row(middle)
+        low, high = (middle, high) if fits(rows[middle]) else (low, middle)
 
 
 def _config_dtype(config: Any) -> str | None:
@@ -129,12 +272,38 @@ def _config_dtype(config: Any) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _verdict(plan: MemoryPlan, text: str, budget: int) -> str:
-    best = plan.fits(budget)
-    if best is not None:
-        return f"largest depth that fits in {text}: {best}"
-    smallest = min(plan.rows, key=lambda row: row.peak_bytes)
-    return (
-        f"no depth fits in {text}: the smallest predicted peak is "
-        f"{format_bytes(smallest.peak_bytes)} (depth {smallest.depth})"
+def verdict(plan: MemoryPlan, text: str, budget: int, headroom: int | None = None) -> str:
+    """The answer to ``--memory``: the largest depth that fits, the full fine-tune's fate."""
+    rows = [row for row in plan.rows if row.depth is not None or row.learn is not None]
+    full = [row for row in plan.rows if row.depth is None and row.learn is None]
+
+    def room(row: MemoryRow) -> int:
+        return plan.headroom_for(row) if headroom is None else headroom
+
+    fitting = [row for row in rows if row.peak_bytes + room(row) <= budget]
+    how = (
+        "peak + headroom: 512 MiB + 5% of the peak"
+        if headroom is None
+        else (f"peak + headroom {format_bytes(headroom)}")
     )
+    if fitting:
+        best = max(fitting, key=lambda row: _depth(plan, row))
+        best_row = f"{_depth(plan, best)} ({format_bytes(best.peak_bytes + room(best))})"
+        answer = f"largest depth that fits in {text} ({how}): {best_row}"
+    else:
+        smallest = min(rows, key=lambda row: row.peak_bytes)
+        answer = (
+            f"no depth fits in {text} ({how}): the smallest is "
+            f"{format_bytes(smallest.peak_bytes + room(smallest))} (depth {_depth(plan, smallest)})"
+        )
+    for row in full:
+        fate = "fits" if row.peak_bytes + room(row) <= budget else "does not fit"
+        answer += f"\na full fine-tune {fate} ({format_bytes(row.peak_bytes + room(row))})"
+    return answer
+
+
+def _depth(plan: MemoryPlan, row: MemoryRow) -> int:
+    if row.depth is not None:
+        return row.depth
+    learn = row.learn or frozenset()
+    return sum(isinstance(item, int) for item in learn)

@@ -1,0 +1,202 @@
+"""The options of :func:`gradgate.estimate`, checked: each bad value raises naming the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._tools.masters import LearnerMasters
+
+# name -> (optimizer class, its options): what the simulated step runs
+_OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "adamw_fused": (torch.optim.AdamW, {"fused": True}),
+    "adam": (torch.optim.Adam, {}),
+    "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "sgd": (torch.optim.SGD, {}),
+}
+OPTIMIZERS = tuple(_OPTIMIZERS)
+_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}  # fmt: skip
+_LOW = (torch.bfloat16, torch.float16)
+LearnSet = Iterable[int | str]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the planned step runs: optimizer, dtypes, masters and the target device."""
+
+    optimizer: str = "adamw"
+    cast: torch.dtype | None = None  # parameters (and floating inputs) cast to it
+    amp: torch.dtype | None = None  # the forward under torch.autocast in this dtype
+    masters: bool = False  # fp32 masters of the learners (gg.optim.LearnerMasters)
+    device: str = "cpu"  # "cpu" or "cuda": the target's optimizer kernels and allocator
+
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer torch would run over ``params`` on the target device."""
+        kind, options = _OPTIMIZERS[self.optimizer]
+        if "fused" not in options:  # torch's default: foreach on CUDA, a for-loop on the CPU
+            options = {**options, "foreach": self.device == "cuda"}
+        if self.masters:
+            inner = cast(type[torch.optim.Optimizer], kind)
+            return LearnerMasters(inner, params, lr=1e-3, **options)
+        return kind(params, lr=1e-3, **options)
+
+    @property
+    def fused(self) -> bool:
+        return "fused" in _OPTIMIZERS[self.optimizer][1]
+
+
+def optimizer_option(optimizer: object) -> str:
+    if not isinstance(optimizer, str) or optimizer not in _OPTIMIZERS:
+        raise InvalidOptionError(
+            f"gg.estimate(optimizer={optimizer!r}) is not a known optimizer; expected one of "
+            f"{sorted(_OPTIMIZERS)}, e.g. optimizer='adamw' (Adam and AdamW keep two "
+            "states per parameter, SGD with momentum one, plain SGD none)."
+        )
+    return optimizer
+
+
+def dtype_option(dtype: object) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise InvalidOptionError(
+        f"gg.estimate(dtype={dtype!r}) is not a floating dtype; expected None (the model's "
+        f"own), a floating torch.dtype or one of {sorted(_DTYPES)}, e.g. dtype='bf16'."
+    )
+
+
+def amp_option(amp: object) -> torch.dtype | None:
+    if amp is None:
+        return None
+    name = amp.lower().removeprefix("torch.") if isinstance(amp, str) else None
+    found = _DTYPES.get(name) if name is not None else amp
+    if found not in _LOW:
+        raise InvalidOptionError(
+            f"gg.estimate(amp={amp!r}) is not an autocast dtype; expected None (no autocast), "
+            "'bf16' or 'fp16': the forward runs under torch.autocast in that dtype, the weights "
+            "as they are."
+        )
+    return found  # type: ignore[return-value]
+
+
+def masters_option(masters: object, model: nn.Module, cast: torch.dtype | None) -> bool:
+    """``masters="fp32"``: only over low-precision parameters, which is what they are for."""
+    if masters is None:
+        return False
+    if masters not in ("fp32", "float32", torch.float32):
+        raise InvalidOptionError(
+            f"gg.estimate(masters={masters!r}) is not a master dtype; expected None or 'fp32' "
+            "(float32 copies of the learning parameters, kept by gg.optim.LearnerMasters)."
+        )
+    dtype = cast or _parameter_dtype(model)
+    if dtype not in _LOW:
+        raise InvalidOptionError(
+            f"gg.estimate(masters={masters!r}) keeps float32 masters of low-precision "
+            f"parameters, but the planned parameters are {str(dtype).removeprefix('torch.')}; "
+            "pass dtype='bf16' (or 'fp16') to plan bf16 weights with fp32 masters, or "
+            "masters=None."
+        )
+    return True
+
+
+def device_option(device: object, model: nn.Module) -> str:
+    """``"cpu"`` or ``"cuda"``: the device whose rules the plan follows. By default the
+    model's own; a ``meta`` model is planned for CUDA (what a meta model is planned for)."""
+    if device is None:
+        found = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+        return "cpu" if found is None or found.type == "cpu" else "cuda"
+    kind = device.type if isinstance(device, torch.device) else device
+    if kind not in ("cpu", "cuda"):
+        raise InvalidOptionError(
+            f"gg.estimate(device={device!r}) is not a device to plan for; expected None (the "
+            "model's: a meta model is planned for CUDA), 'cuda' or 'cpu'."
+        )
+    return str(kind)
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype:
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return floating[0] if floating else torch.get_default_dtype()
+
+
+def dtype_name(model: nn.Module, cast: torch.dtype | None) -> str:
+    return str(cast or _parameter_dtype(model)).removeprefix("torch.")
+
+
+def learn_option(learn: object) -> list[frozenset[int | str]]:
+    if learn is None:
+        return []
+    if isinstance(learn, (str, int)) or not isinstance(learn, Iterable):
+        raise InvalidOptionError(
+            f"gg.estimate(learn={learn!r}) is not a list of learning sets; expected e.g. "
+            "learn=[{11}, {10, 11}, {0, 11}]: one row per set of blocks (or module names)."
+        )
+    items = list(learn)
+    if items and all(isinstance(item, (int, str)) for item in items):
+        return [frozenset(items)]  # one learning set, such as learn={1, 4}
+    return [frozenset(item) for item in items]
+
+
+def depths_shape(depths: object) -> list[Any] | None:
+    """``depths`` as a list, before the model's block count is known: one integer or a string
+    is refused (``depths=3`` means ``depths=[3]``?)."""
+    if depths is None:
+        return None
+    if isinstance(depths, (int, str, bytes)) or not isinstance(depths, Iterable):
+        raise InvalidDepthError(
+            f"gg.estimate(depths={depths!r}) is not a list of depths; expected integers in a "
+            f"list or range, e.g. depths=[{depths!r}] for that one depth or depths=range(n + 1) "
+            "for every depth."
+            if isinstance(depths, int) and not isinstance(depths, bool)
+            else f"gg.estimate(depths={depths!r}) is not a list of depths; expected integers "
+            "in a list or range, e.g. depths=[0, 1, 2]."
+        )
+    return list(depths)
+
+
+def depths_option(depths: list[Any] | None, n: int, *, default: bool) -> list[int]:
+    if depths is None:
+        return default_depths(n) if default else []
+    for depth in depths:
+        if depth is None:
+            raise InvalidDepthError(
+                f"gg.estimate(depths=[None]): expected integers 0..{n}; a row without a cut "
+                "is a learning set: pass learn=[{*range(n), 'embeddings'}] with the modules "
+                f"before the first block, or depth {n} for all {n} blocks."
+            )
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= n:
+            raise InvalidDepthError(
+                f"depth {depth!r} is out of range: the model has {n} blocks; expected "
+                f"integers 0..{n} in depths=[...]."
+            )
+    return depths
+
+
+def default_depths(n: int) -> list[int]:
+    """0, 1, 2, 4, 8, ... below ``n``, then ``n``."""
+    depths, k = [0], 1
+    while k < n:
+        depths.append(k)
+        k *= 2
+    return [*depths, n] if n else depths
+
+
+def nothing_to_plan(depths: list[Any] | None) -> InvalidDepthError:
+    return InvalidDepthError(
+        f"gg.estimate(depths={depths!r}) plans no row; expected at least one depth, e.g. "
+        "depths=[0, 1, 2], or depths=None for 0, 1, 2, 4, ... and all blocks (or learning "
+        "sets in learn=[...])."
+    )

@@ -1,0 +1,200 @@
+"""``gradgate plan CONFIG.json``: a transformers config planned on the meta device, for CUDA.
+
+Each test writes a tiny config and reads the command's output; the figures are compared with
+``gg.estimate`` on the same model, planned the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradgate as gg
+from gradgate import cli
+from gradgate._memory.memory_plan import format_bytes
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 64,
+    "torch_dtype": "bfloat16",
+}
+LLAMA2 = {**LLAMA, "num_hidden_layers": 2}
+LLAMA2 = {**LLAMA, "num_hidden_layers": 2}
+T5 = {"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
+      "num_decoder_layers": 2, "num_heads": 4, "vocab_size": 100}  # fmt: skip
+BART = {"model_type": "bart", "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64, "vocab_size": 100, "max_position_embeddings": 64}  # fmt: skip
+VIT = {"model_type": "vit", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+       "intermediate_size": 64, "image_size": 32, "patch_size": 8}  # fmt: skip
+HEADER = ["depth", "params", "grads", "optimizer", "saved", "other", "peak", "phase"]
+
+
+def plan(tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any],
+         *options: str) -> tuple[int, str, str]:  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    status = cli.main(["plan", str(path), "--batch", "2", *options])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def rows(out: str) -> dict[str, list[str]]:
+    """The table's rows by label (the first cell: up to two spaces)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == HEADER) + 2
+    found = {}
+    for line in lines[start:]:
+        if "  " not in line:  # the notes under the table
+            break
+        label, _, rest = line.partition("  ")
+        found[label.strip()] = rest.split()
+    return found
+
+
+def meta_llama(tmp_path: Path, config: dict[str, Any] = LLAMA) -> Any:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        return LlamaForCausalLM(AutoConfig.from_pretrained(str(tmp_path))).train()
+
+
+def test_memory_plans_every_depth_around_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Depth 3 is not one of 0, 1, 2, 4: with a budget between its peak and depth 4's, the
+    answer is 3 (it used to be 2), and the table shows the row that proves it."""
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    reference = gg.estimate(meta_llama(tmp_path), input_ids=ids, labels=ids, dtype="bf16",
+                            depths=[3, 4], device="cuda")  # fmt: skip
+    room = [row.peak_bytes + reference.headroom_for(row) for row in reference.rows]
+    budget = f"{sum(room) // 2}B"
+    status, out, err = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--memory", budget)
+    assert (status, err) == (0, ""), err
+    assert out.splitlines()[0].startswith("LlamaForCausalLM: memory of one training step")
+    assert "bfloat16" in out and "planned for cuda" in out
+    table = rows(out)
+    assert list(table) == ["0", "1", "2", "3", "4 (all blocks)", "full fine-tune"]
+    assert (
+        " ".join(table["3"][10:])
+        == f"{format_bytes(reference[3].peak_bytes)} {reference[3].peak_phase}"
+    )
+    assert (
+        f"largest depth that fits in {budget} (peak + headroom: 512 MiB + 5% of the peak): 3" in out
+    )
+    assert "all blocks: what runs before the first block (the embeddings) stays frozen" in out
+    assert "full fine-tune: no cut, every parameter learns, embeddings included" in out
+    assert "a full fine-tune does not fit" in out
+
+
+def test_depth_lists_ranges_and_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--depths", "0-0,2")
+    assert status == 0 and list(rows(out)) == ["0", "2 (all blocks)", "full fine-tune"]
+    status, out, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--depths", "all")
+    assert status == 0 and list(rows(out)) == ["0", "1", "2 (all blocks)", "full fine-tune"]
+    for bad, message in [("x", "is not a list of depths"), ("0-9", "out of range")]:
+        status, _, err = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--depths", bad)
+        assert status != 0 and err.count("\n") == 1 and message in err, err
+
+
+def test_learn_embeddings_adds_them_to_every_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--depths", "0,2",
+                          "--learn-embeddings")  # fmt: skip
+    table = rows(out)
+    assert status == 0 and list(table) == ["0 + embeddings", "2 (all blocks) + embeddings",
+                                          "full fine-tune"]  # fmt: skip
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    reference = gg.estimate(
+        meta_llama(tmp_path, LLAMA2), input_ids=ids, labels=ids, dtype="bf16", depths=[0],
+        learn=[{"model.embed_tokens"}], device="cuda",
+    )  # fmt: skip
+    with_embedding = reference.rows[1].grad_bytes
+    assert with_embedding == reference[0].grad_bytes + 300 * 64 * 2  # bf16
+    assert " ".join(table["0 + embeddings"][2:4]) == format_bytes(with_embedding)
+    assert table["2 (all blocks) + embeddings"][:12] == table["full fine-tune"][:12]
+
+
+@pytest.mark.parametrize(
+    ("config", "options", "blocks"),
+    [(T5, ["--seq", "8"], 4), (VIT, [], 2),
+     pytest.param(BART, ["--seq", "8"], 4, marks=pytest.mark.slow),
+     pytest.param(T5, ["--seq", "8", "--blocks", "decoder.block.*"], 2, marks=pytest.mark.slow)],
+    ids=["t5", "vit", "bart", "t5-decoder"],
+)  # fmt: skip
+def test_encoder_decoder_and_vision_configs(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    config: dict[str, Any],
+    options: list[str],
+    blocks: int,
+) -> None:
+    status, out, err = plan(tmp_path, capsys, config, *options)
+    assert (status, err) == (0, ""), err
+    assert f"({blocks} blocks," in out.splitlines()[0]
+    assert f"{blocks} (all blocks)" in rows(out)
+
+
+@pytest.mark.slow
+def test_amp_checkpointing_and_optimizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, plain, _ = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--depths", "4")
+    _, amp, _ = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--depths", "4", "--amp", "bf16")
+    assert "float32, autocast bfloat16" in amp.splitlines()[0]
+    _, ckpt, _ = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--depths", "4",
+                      "--checkpointing")  # fmt: skip
+    saved = [rows(out)["4 (all blocks)"][6:8] for out in (plain, ckpt)]  # checkpoints saved
+    assert saved[0] != saved[1]
+    _, sgd, _ = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--depths", "4", "--optimizer", "sgd")
+    assert "optimizer sgd" in sgd and rows(sgd)["4 (all blocks)"][4:6] == ["0", "B"]
+    _, masters, _ = plan(
+        tmp_path, capsys, LLAMA, "--seq", "16", "--depths", "1", "--masters", "fp32"
+    )
+    assert "bfloat16, fp32 masters" in masters.splitlines()[0]
+    status, _, err = plan(
+        tmp_path, capsys, LLAMA, "--seq", "16", "--amp", "bf16", "--masters", "fp32"
+    )
+    assert status != 0 and "--dtype bf16 --masters fp32" in err and err.count("\n") == 1
+    status, _, err = plan(
+        tmp_path, capsys, LLAMA, "--seq", "16", "--amp", "bf16", "--dtype", "bf16"
+    )
+    assert status == 2 and "not allowed with argument" in err and err.count("\n") == 1
+
+
+def test_a_sequence_longer_than_the_positions_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = plan(tmp_path, capsys, LLAMA, "--seq", "65")
+    assert status != 0 and out == "" and err.count("\n") == 1
+    assert "--seq 65 is longer" in err and "max_position_embeddings=64" in err
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 100,
+            "n_positions": 32}  # fmt: skip
+    status, _, err = plan(tmp_path, capsys, gpt2, "--seq", "4096")
+    assert status != 0 and "max_position_embeddings=32" in err and "--seq 32 or less" in err
+
+
+def test_unknown_model_types_and_missing_files_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = plan(tmp_path, capsys, {"model_type": "lama"}, "--seq", "8")
+    assert status != 0 and err.count("\n") == 1 and len(err) < 300, err
+    assert "model_type 'lama' is not one transformers knows; did you mean 'llama'" in err
+    status = cli.main(["plan", str(tmp_path / "missing.json"), "--batch", "1", "--seq", "8"])
+    err = capsys.readouterr().err
+    assert status != 0 and err.count("\n") == 1 and "missing.json" in err
+    status, _, err = plan(tmp_path, capsys, LLAMA)
+    assert status != 0 and "expected --seq S" in err
