@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import pytest
@@ -14,6 +14,7 @@ from torch import nn
 import gradgate as gg
 from gradgate._bench.compiled import compile_counts, schedule
 from gradgate._plumbing import torch_internals as internals
+from gradgate._plumbing.frames_compile import COMPILED_MARK
 from gradgate._plumbing.hooks import CompiledForward
 
 BACKEND = "aot_eager"  # dynamo's guards and graphs do not depend on the backend; this is fast
@@ -386,3 +387,180 @@ def test_compiled_before_the_gate_exists(root: str) -> None:
         assert sum(breaks.values()) == 1 or not internals.SKIPS_FRAMES
     else:
         assert breaks == {}
+
+
+# depths, learning sets (naming a module inside a block too) and skips, before and after the cut
+_MIXED_PLANS: list[dict[str, Any]] = [
+    {"depth": None},
+    {"depth": 0},
+    {"depth": 4},
+    {"depth": 2},
+    {"learn": {1}},
+    {"learn": {"blocks.3.fc", 3}},
+    {"depth": 3, "skip": {2}},
+    {"learn": {1, 3}, "skip": {3}},
+    {"depth": None, "skip": {1}},
+    {"depth": 2, "skip": {0}},
+    {"learn": {"blocks.1.fc"}},
+    {"learn": {"blocks.2.norm", 3}},
+]
+
+
+def _set_plan(gate: gg.BackpropGate, plan: dict[str, Any]) -> None:
+    gate.skip = set()
+    if "learn" in plan:
+        gate.learn = plan["learn"]
+    else:
+        gate.depth = plan["depth"]
+    gate.skip = plan.get("skip", set())
+
+
+def _graphs_per_pass(
+    how: str, plans: list[dict[str, Any]], sizes: list[list[int]], **compile_kwargs: Any
+) -> list[int]:
+    """Unique graphs after each pass over ``plans`` on :class:`Net` (two block classes; pass
+    ``i`` runs plan ``j`` at batch size ``sizes[i][j % len(sizes[i])]``), gradients against the
+    gated eager model at every step. ``how``: ``compile_blocks`` before the gate, after it
+    (``gate, compile_blocks``), or ``torch.compile`` of the gated model."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    eager = Net(n=4)
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    with ExitStack() as stack:
+        if how == "compile_blocks":
+            stack.enter_context(gg.compile_blocks(model, backend="eager", **compile_kwargs))
+        eager_gate = stack.enter_context(gg.BackpropGate(eager, "blocks.*"))
+        gate = stack.enter_context(gg.BackpropGate(model, "blocks.*"))
+        if how == "gate, compile_blocks":
+            stack.enter_context(gg.compile_blocks(model, backend="eager", **compile_kwargs))
+        whole = how == "torch.compile"
+        run = torch.compile(model, backend="eager", **compile_kwargs) if whole else model
+        for batch_sizes in sizes:
+            for step, plan in enumerate(plans):
+                _set_plan(eager_gate, plan)
+                _set_plan(gate, plan)
+                x = torch.ones(batch_sizes[step % len(batch_sizes)], 5, 3)
+                for net, call in ((eager, eager), (model, run)):
+                    net.zero_grad(set_to_none=True)
+                    call(x).pow(2).mean().backward()
+                _assert_same_grads(eager, model, step)
+            graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+_HOWS = ["compile_blocks", "gate, compile_blocks", "torch.compile"]
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+@pytest.mark.parametrize("how", _HOWS)
+def test_mixed_plans_compile_nothing_in_a_second_pass(how: str) -> None:
+    """After one pass over the plans, nothing compiles: each block class runs in at most five
+    states (before the cut; first learner; learning after it; frozen after it, under a learning
+    set; skipped after the cut), a graph each. Three causes of new graphs in a second pass,
+    gone: a skipped block's first call after the cut kept its graph (the residual check), its
+    later calls not, so their state first compiled in the second pass (no check now where the
+    block runs compiled); a block holding a module named in the learning set broke its graph
+    at that module's hook, and dynamo guards the first half only on what ran before the break,
+    so later calls in the same state, hooked or not, ran the halves and compiled the second
+    half anew (such a block runs eagerly now); ``compile_blocks`` after the gate compiled the
+    gate's wrapper, its hooks graph breaks (it compiles the block's own forward beneath now)."""
+    expected = 5 + 5 if internals.SKIPS_FRAMES or how != "torch.compile" else 0
+    assert _graphs_per_pass(how, _MIXED_PLANS, [[4], [4]]) == [expected, expected]
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+@pytest.mark.parametrize("how", _HOWS)
+def test_a_batch_size_that_changes_compiles_each_state_once_more_unless_dynamic(how: str) -> None:
+    """Dynamo (``dynamic=None``) compiles a block's graphs static until its forward meets a
+    second size; each static graph compiles once more, dynamic, when its state meets another
+    size, and a size after that compiles nothing. ``dynamic=True``: dynamic graphs from the
+    start (dynamo compiles Mlp's twice in two of its states, settling a guard on its input's
+    ``.grad``), and no size from 2 on compiles anything after the warm-up."""
+    plans = [{"depth": 0}, {"depth": 4}, {"depth": 2}, {"learn": {1, 3}}]  # Mlp 4, Gate 3 states
+    sizes = [[4], [6], [5]]
+    if how == "torch.compile" and not internals.SKIPS_FRAMES:  # the gated forward runs eagerly
+        assert _graphs_per_pass(how, plans, sizes) == [0, 0, 0]
+        return
+    assert _graphs_per_pass(how, plans, sizes) == [7, 7 + 7, 7 + 7]
+    dynamic = _graphs_per_pass(how, plans, [[4], [6], [5, 3]], dynamic=True)
+    assert dynamic == [dynamic[0]] * 3 and 7 <= dynamic[0] <= 9
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+@pytest.mark.parametrize("how", ["torch.compile", "compile_blocks"])
+def test_a_transformers_cache_in_compiled_blocks_says_pass_use_cache_false(how: str) -> None:
+    """A DynamicCache made inside the forward (``use_cache`` left at its default) reaches each
+    block, and dynamo guards on its per-layer state: a graph per layer and state, until dynamo's
+    recompile limit, whose message names grad mode. gradgate names the cause and the fix."""
+    import warnings
+
+    model = tiny_gpt2(2)
+    ids = torch.arange(24).reshape(2, 12) % 64
+    torch._dynamo.reset()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        gg.compile_blocks(model, "transformer.h.*", backend="eager")
+        if how == "compile_blocks"
+        else nullcontext(),
+        gg.BackpropGate(model, "transformer.h.*") as gate,
+    ):
+        warnings.simplefilter("always")
+        run = torch.compile(model, backend="eager") if how == "torch.compile" else model
+        gate.depth = 1
+        run(ids, labels=ids, use_cache=False).loss.backward()
+        with torch.no_grad():  # generation-like: no graph, the cache wanted
+            run(ids)
+        assert [w for w in caught if "use_cache" in str(w.message)] == []
+        run(ids, labels=ids).loss.backward()  # the config's use_cache=True
+        run(ids, labels=ids).loss.backward()
+    about_cache = [w for w in caught if "use_cache" in str(w.message)]
+    assert [w.category for w in about_cache] == [gg.GradgateWarning]  # once, for all blocks
+    message = str(about_cache[0].message)
+    assert "a transformers DynamicCache reaches the compiled block GPT2Block" in message
+    assert "pass `use_cache=False`" in message
+    assert "names grad mode" in message  # what dynamo's own message blames
+    assert about_cache[0].filename == __file__  # the user's line
+
+
+@pytest.mark.slow  # a subprocess or a compile: seconds
+@pytest.mark.parametrize("first", ["compile_blocks", "gate"])
+@pytest.mark.parametrize("removed_first", ["compile_blocks", "gate"])
+def test_compile_blocks_and_a_gate_made_and_removed_in_any_order(
+    first: str, removed_first: str
+) -> None:
+    """The gate's hooks stay out of the compiled code in either order, and removing either
+    leaves the other working: the gate cutting, the blocks compiled."""
+    from torch._dynamo.utils import counters
+
+    blocks = [str(i) for i in range(1, 5)]
+    eager = _sequential()
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    made = {}
+    for kind in [first, "gate" if first == "compile_blocks" else "compile_blocks"]:
+        made[kind] = (
+            gg.compile_blocks(model, blocks, backend="eager")
+            if kind == "compile_blocks"
+            else gg.BackpropGate(model, blocks, depth=2)
+        )
+    with gg.BackpropGate(eager, blocks, depth=2):
+        for net in (eager, model):
+            _sequential_loss(net).backward()
+        _assert_same_grads(eager, model, 2)
+        assert dict(counters["graph_break"]) == {}  # no hook inside a graph
+        made[removed_first].remove()
+        for net in (eager, model):
+            net.zero_grad(set_to_none=True)
+            _sequential_loss(net).backward()
+        if removed_first == "compile_blocks":  # the gate still cuts
+            _assert_same_grads(eager, model, 2)
+    if removed_first == "gate":  # the blocks still compiled
+        assert all(getattr(vars(model[i]).get("forward"), COMPILED_MARK) for i in range(1, 5))
+        assert model[1].fc.weight.grad is not None  # no cut left
+    made["gate" if removed_first == "compile_blocks" else "compile_blocks"].remove()
+    assert all("forward" not in vars(module) for module in model)

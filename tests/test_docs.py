@@ -67,7 +67,10 @@ def parse(text: str) -> list[Block]:
 def prepared(needs: tuple[str, ...]):
     """What a block that needs an optional package runs under in this test."""
     with warnings.catch_warnings():
-        if "deepspeed" in needs:
+        # accelerate imports deepspeed where it is installed: its logger must come first too
+        if "deepspeed" in needs or (
+            "accelerate" in needs and importlib.util.find_spec("deepspeed")
+        ):
             # deepspeed imports torch modules that warn of their own deprecation, and calls
             # collectives torch deprecates
             for category in (DeprecationWarning, FutureWarning):

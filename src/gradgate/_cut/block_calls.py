@@ -18,6 +18,7 @@ from .._plumbing.errors import (
     SharedParameterWarning,
     warn,
 )
+from .._plumbing.frames_compile import runs_compiled
 from .._plumbing.torch_internals import DISTRIBUTED_WORLD, maybe_in_backward
 
 
@@ -116,14 +117,17 @@ def pass_around(name: str, args: Any, kwargs: Any, output: Any) -> Any:
 
 class ResidualPaths:
     """Skipped blocks whose residual path was seen in their own graph: each is checked once,
-    at its first skipped call whose input carries a graph (that call keeps its graph)."""
+    at its first skipped call whose input carries a graph (that call keeps its graph). A block
+    that runs compiled is not checked: its graph is one opaque node, and a first call in a
+    state of its own would compile a graph of its own, its later calls another, after any
+    warm-up over the same plans."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
-    def trace(self, position: int, args: Any) -> bool:
+    def trace(self, position: int, args: Any, module: nn.Module) -> bool:
         """Whether this skipped call keeps its graph for the check."""
-        if position in self.seen:
+        if position in self.seen or runs_compiled(module):
             return False
         inputs = tensors_in(args)
         return bool(inputs) and inputs[0].requires_grad

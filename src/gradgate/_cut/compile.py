@@ -1,16 +1,18 @@
 """torch.compile for a per-minibatch depth: compile each block's ``forward``, not the model.
 
-Under a :class:`~gradgate.BackpropGate`, a block runs in one of three states: in the cut-off
-prefix (grad mode off), as the first learning block (grad mode on, input not requiring grad),
-or further in the suffix (input requiring grad). Compiling each block's ``forward`` gives one
+Under a :class:`~gradgate.BackpropGate`, a block runs in one of three states under a depth: in
+the cut-off prefix (grad mode off), as the first learning block (grad mode on, input not
+requiring grad), or further in the suffix (input requiring grad); learning sets and skips add
+two (frozen after the cut, skipped after the cut). Compiling each block's ``forward`` gives one
 graph per state and block class, shared by all blocks of that class (parameters are graph
-inputs), so every depth reuses the same <= 3 graphs and nothing recompiles after warm-up.
+inputs), so after one pass over the plans nothing compiles again (docs/performance.md).
 
-The gate's hooks stay outside the compiled region: they live in ``Module.__call__``, and only
-``forward`` is compiled. (``block.compile()`` compiles ``__call__`` with its hooks, which
-traces the gate's bookkeeping into the graphs.) ``torch.compile(model)`` of a gated model does
-the same per block by itself (see ``_plumbing.frames_compile``); whole-model ``torch.compile`` with
-``requires_grad`` toggling instead recompiles for every new depth.
+The gate's hooks stay outside the compiled region: they run around ``forward``, and only the
+block's own ``forward`` is compiled, beneath a gate's wrapper when the gate came first.
+(``block.compile()`` compiles ``__call__`` with its hooks, which traces the gate's bookkeeping
+into the graphs.) ``torch.compile(model)`` of a gated model does the same per block by itself
+(see ``_plumbing.frames_compile``); whole-model ``torch.compile`` with ``requires_grad``
+toggling instead recompiles for every new depth.
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ from typing import Any
 from torch import nn
 
 from .._plumbing.errors import InvalidOptionError
-from .._plumbing.frames_compile import block_tracing
+from .._plumbing.frames_compile import COMPILED_MARK, CacheNotice, block_tracing, kept_eager
 from .._plumbing.handles import Handle
+from .._plumbing.hooks import HookedForward
 from .._plumbing.torch_internals import guards_hooks, needs
 from .._select.names import Pattern, resolve_blocks
-
-_MARK = "_gradgate_compiled_forward"
 
 
 def compile_blocks(
@@ -38,7 +39,15 @@ def compile_blocks(
     ``blocks`` selects the blocks as in :class:`~gradgate.BackpropGate` (auto-found when
     None). Returns a :class:`~gradgate.Handle`; ``handle.remove()`` restores the original
     forwards. Modules outside the blocks (embeddings, head) stay eager. A gated model compiled
-    whole (``torch.compile(model)``) is compiled block by block like this without it.
+    whole (``torch.compile(model)``) is compiled block by block like this without it. Before
+    or after a gate, and either removed first, the gate's hooks stay out of the graphs.
+
+    Graphs: one per block class and state it runs in, at most five (before the cut; first
+    learner; learning after it; frozen after it, under a learning set; skipped after the cut);
+    a block holding a module named in ``learn=`` runs eagerly for that plan. After one pass over
+    the plans, nothing compiles again at the same input sizes. With ``dynamic=None`` (the
+    default) each graph compiles once more, dynamic, when its state first meets another size;
+    pass ``dynamic=True`` when sizes change (docs/performance.md).
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
@@ -65,46 +74,94 @@ def compile_blocks(
         )
     points = resolve_blocks(model, blocks)
     for name, block in points:
-        if getattr(block.forward, _MARK, False):
+        if getattr(_slot(block)[1], COMPILED_MARK, False):
             raise InvalidOptionError(
                 f"block {name!r} is already compiled by gg.compile_blocks; expected each block "
                 "compiled once. Remove the earlier handle first."
             )
     try:  # torch.compile checks its options (a backend name) before anything is replaced
-        torch.compile(points[0][1].forward, **compile_kwargs)
+        torch.compile(_slot(points[0][1])[1], **compile_kwargs)
     except Exception as error:
         raise InvalidOptionError(
             f"torch.compile refused the options {compile_kwargs!r:.120}: {error}; expected "
             "options torch.compile accepts, e.g. backend='inductor' or mode='reduce-overhead'."
         ) from None
-    restores = []
+    undos = []
+    notice = CacheNotice()  # one warning for all the blocks
     for _, block in points:
-        had_own = "forward" in vars(block)
-        previous = vars(block).get("forward")
-        compiled = _quiet(torch.compile(block.forward, **compile_kwargs))
-        # a plain instance attribute: nn.Module.__call__ (hooks included) calls it eagerly
-        object.__setattr__(block, "forward", compiled)
-        restores.append((block, had_own, previous))
+        wrapper, eager = _slot(block)
+        compiled = _quiet(torch.compile(eager, **compile_kwargs), eager, block, notice)
+        undos.append(_install(block, wrapper, eager, compiled))
 
     def undo() -> None:
-        for block, had_own, previous in restores:
-            if had_own:
-                object.__setattr__(block, "forward", previous)
-            else:
-                vars(block).pop("forward", None)
+        for one in undos:
+            one()
 
     return Handle(undo, description=f"compile_blocks over {len(points)} blocks")
 
 
-def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """The compiled forward, called under :func:`block_tracing` (hook guards, no warning)."""
+def _slot(block: nn.Module) -> tuple[HookedForward | None, Any]:
+    """Where the block's own forward is called from, and that forward: the block itself, or
+    the innermost of a gate's wrappers installed as its ``forward`` (their hooks stay out of
+    the compiled code, as when the gate comes after ``compile_blocks``)."""
+    wrapper = None
+    forward = block.forward
+    while isinstance(forward, HookedForward):
+        wrapper, forward = forward, forward.inner
+    return wrapper, forward
+
+
+def _install(
+    block: nn.Module, wrapper: HookedForward | None, eager: Any, compiled: Any
+) -> Callable[[], None]:
+    """``compiled`` in the place of ``eager``; returns what puts ``eager`` back, wherever the
+    gates added or removed since have left ``compiled``."""
+    if wrapper is None:
+        before = vars(block).get("forward")  # an instance forward of the user's, if any
+        # a plain instance attribute: nn.Module.__call__ (hooks included) calls it eagerly
+        object.__setattr__(block, "forward", compiled)
+    else:
+        before = wrapper.previous
+        wrapper.inner = compiled
+        if before is None or before is eager:  # the block keeps it once the gate is removed
+            wrapper.previous = compiled
+
+    def undo() -> None:
+        forward = vars(block).get("forward")
+        if forward is compiled:
+            if before is None:
+                del vars(block)["forward"]
+            else:
+                object.__setattr__(block, "forward", before)
+            return
+        while isinstance(forward, HookedForward):  # a gate's wrapper around it
+            if forward.previous is compiled:
+                forward.previous = before
+            if forward.inner is compiled:
+                forward.inner = eager
+                return
+            forward = forward.inner
+
+    return undo
+
+
+def _quiet(
+    compiled: Callable[..., Any], eager: Callable[..., Any], block: nn.Module, notice: CacheNotice
+) -> Any:
+    """The compiled forward, called under :func:`block_tracing` (hook guards, no warning of
+    dynamo's own), or ``eager`` while a gate keeps the block eager (``keep_eager``);
+    ``notice`` says when a transformers cache reaches it."""
 
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if not notice.said:
+            notice.look(block, args, kwargs)
+        if kept_eager(block):
+            return eager(*args, **kwargs)
         with block_tracing():
             return compiled(*args, **kwargs)
 
-    setattr(forward, _MARK, True)
+    setattr(forward, COMPILED_MARK, True)
     return forward
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._plumbing import torch_internals as internals
+from .._plumbing.frames_compile import keep_eager
 from .._plumbing.hooks import HookedForward
 from .block_calls import (
     ResidualPaths,
@@ -114,12 +115,14 @@ class BlockHooks:
         if position in self._skip:
             frame.skipped[position] = torch.is_grad_enabled()
             frame.skipped_args[position] = args
-            traced = frame.skipped[position] and self._residual.trace(position, args)
+            traced = frame.skipped[position] and self._residual.trace(position, args, module)
             internals.set_grad_mode(traced)
         elif not learns and (
             position in self._extra_blocks or (frame.opened and torch.is_grad_enabled())
         ):  # a named module inside it may learn (and open the cut): the rest of it does not
             frame.frozen[position] = freeze_for_call(module, self._keep)
+        if position in self._extra_blocks:  # its named module's hook would break its graph
+            keep_eager(module)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
         """A block's call, the usual way: in order, in a frame the lane may take (see
@@ -193,6 +196,8 @@ class BlockHooks:
         if frame.block_training and position in frame.block_training:
             for block_module, training in frame.block_training.pop(position):
                 block_module.training = training
+        if position in self._extra_blocks:
+            keep_eager(None)
         replaced = None
         if frame.skipped and position in frame.skipped:
             traced = torch.is_grad_enabled()

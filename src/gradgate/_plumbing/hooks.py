@@ -21,12 +21,14 @@ from torch import nn
 from .._hooks import _detached, _plain_forward
 from . import torch_internals as internals
 from .frames_compile import (
+    BlockFrame,
+    CacheNotice,
     compiled_block,
     disabled_caller,
     eager_with_compiled_blocks,
     opaque,
 )
-from .torch_internals import skip_frames, traceable
+from .torch_internals import skip_frames
 
 
 class GateHook:
@@ -148,7 +150,8 @@ class ForwardGuard(_InstanceForward):
 
     def _install_compiled(self) -> None:
         unique = {id(block): block for block in self.blocks}.values()  # a block used twice
-        self.compiled = [CompiledForward(block) for block in unique]
+        notice = CacheNotice()  # one warning for all the blocks
+        self.compiled = [CompiledForward(block, notice) for block in unique]
         for wrapper in self.compiled:
             wrapper.install()
 
@@ -277,17 +280,21 @@ def hooked_forward(module: nn.Module) -> HookedForward:
 
 
 class CompiledForward(_InstanceForward):
-    """A block's ``forward``, compiled as a frame of its own under a compiled gated root."""
+    """A block's ``forward``, compiled as a frame of its own under a compiled gated root;
+    ``notice`` (one for the root's blocks) says when a transformers cache reaches it."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, notice: CacheNotice | None = None) -> None:
         super().__init__(module)
+        self.notice = CacheNotice() if notice is None else notice
         if isinstance(self.inner, HookedForward):  # its hooks stay eager, the layer compiles
-            self.inner.inner = traceable(self.inner.inner)
-            self.traced = self.inner
+            self.inner.inner = BlockFrame(module, self.inner.inner)
+            self.traced: Any = self.inner
         else:
-            self.traced = traceable(self.inner)
+            self.traced = BlockFrame(module, self.inner)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.notice.said:
+            self.notice.look(self.module, args, kwargs)
         return compiled_block(self.traced, *args, **kwargs)
 
 
