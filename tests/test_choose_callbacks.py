@@ -27,20 +27,7 @@ def rms(tensors: list[torch.Tensor]) -> float:
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=N,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+from test_integrations import tiny_llama  # noqa: E402  (a 4-layer Llama, as there)
 
 
 class Recorder(transformers.TrainerCallback):

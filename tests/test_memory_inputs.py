@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import gpt2, llama
+from test_estimate import ReadsValues
 from test_memory_peak import real_peak
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -140,15 +141,6 @@ def test_fits_adds_the_default_headroom_and_never_promises_more() -> None:
     assert cuda.headroom_for(cuda[0]) == 512 * 2**20 + cuda[0].peak_bytes // 20
     assert cpu.fits("512MiB") == 3 and cuda.fits("512MiB") is None
     assert cpu.fits(cpu[3].peak_bytes, headroom="1 KiB") == 2
-
-
-class ReadsValues(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x if x.sum() > 0 else -x)
 
 
 def test_planning_leaves_nothing_behind_even_when_it_fails() -> None:

@@ -31,10 +31,9 @@ from .._plumbing.validate import (
     learn_items_option,
     probability_option,
 )
-from .._select.names import resolve_modules
 from ._badam import BAdam
 from ._importance import Importance
-from ._plan import Plan, Schedule, sorted_items
+from ._plan import Plan, Schedule, always_as_positions, sorted_items
 
 __all__ = [
     "LISA",
@@ -143,14 +142,7 @@ class LISA(Schedule):
         model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
         if model is None or points is None or self._bound is model:
             return
-        by_id = {id(m): i for i, (_, m) in enumerate(points)}
-        always: set[int | str] = set()
-        for item in self.always:
-            found = resolve_modules(model, [item]) if isinstance(item, str) else []
-            if found and all(id(m) in by_id for _, m in found):
-                always.update(by_id[id(m)] for _, m in found)
-            else:
-                always.add(item)
+        always = always_as_positions(self.always, model, points)
         pool = [i for i in range(self.n) if i not in always]
         count_option("k", self.k, low=0, high=len(pool))  # before changing anything
         self._always, self._pool, self._bound = frozenset(always), pool, model

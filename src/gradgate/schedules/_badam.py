@@ -7,8 +7,7 @@ from typing import Any, Literal
 
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice, count_option, learn_items_option
-from .._select.names import resolve_modules
-from ._plan import Plan, Schedule, sorted_items
+from ._plan import Plan, Schedule, always_as_positions, sorted_items
 
 ORDERS = ("random", "ascending", "descending")
 
@@ -90,14 +89,7 @@ class BAdam(Schedule):
         model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
         if model is None or points is None or self._bound is model:
             return
-        by_id = {id(m): i for i, (_, m) in enumerate(points)}
-        always: set[int | str] = set()
-        for item in self.always:
-            found = resolve_modules(model, [item]) if isinstance(item, str) else []
-            if found and all(id(m) in by_id for _, m in found):
-                always.update(by_id[id(m)] for _, m in found)
-            else:
-                always.add(item)
+        always = always_as_positions(self.always, model, points)
         rotation = _rotation(self.n, always)  # refuses before changing anything
         self._always, self._rotation, self._bound = frozenset(always), rotation, model
 

@@ -13,6 +13,7 @@ from torch import nn
 from .._cut.stacks import outside_modules
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import count_option, integer_option
+from .._select.names import resolve_modules
 
 
 class Gate(Protocol):
@@ -245,3 +246,19 @@ def around_blocks(gate: Any) -> frozenset[str]:
 
 def sorted_items(items: Iterable[int | str]) -> list[int | str]:
     return sorted(items, key=lambda v: (isinstance(v, str), v))  # type: ignore[return-value]
+
+
+def always_as_positions(
+    always: Iterable[int | str], model: nn.Module, points: list[tuple[str, nn.Module]]
+) -> set[int | str]:
+    """``always`` with the names that resolve to blocks of ``points`` as those positions (no
+    draw is spent on them and their state is never dropped); other names stay names."""
+    by_id = {id(m): i for i, (_, m) in enumerate(points)}
+    positions: set[int | str] = set()
+    for item in always:
+        found = resolve_modules(model, [item]) if isinstance(item, str) else []
+        if found and all(id(m) in by_id for _, m in found):
+            positions.update(by_id[id(m)] for _, m in found)
+        else:
+            positions.add(item)
+    return positions
