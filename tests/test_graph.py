@@ -470,3 +470,41 @@ def test_jupyter_without_dot_shows_the_reason_and_the_dot_source(
     assert html is not None and "not drawn" in html and "package &#x27;graphviz&#x27;" in html
     assert "DOT source" in html and "digraph gradgate {" in html
     assert "&lt;gradgate.Graph" in html and "<gradgate.Graph" not in html
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (2**20 - 1, "1.0 MiB"),  # not "1024.0 KiB"
+        (3 * 2**29, "1.5 GiB"),
+        (5 * 2**40, "5120.0 GiB"),
+    ],
+)
+def test_saved_bytes_on_the_picture_take_the_unit_their_rounded_value_needs(
+    size: int, text: str
+) -> None:
+    from gradgate._observe.graph.parts import format_bytes
+
+    assert format_bytes(size) == text
+
+
+@pytest.mark.parametrize(
+    ("flops", "text"),
+    [
+        (0, "0 FLOP"),
+        (999, "999 FLOP"),
+        (1500, "1.5 kFLOP"),
+        (999_960, "1.0 MFLOP"),  # not "1000.0 kFLOP"
+        (999_999_999, "1.0 GFLOP"),  # not "1000.0 MFLOP"
+        (2.5e12, "2500.0 GFLOP"),
+    ],
+)
+def test_backward_flops_on_the_picture_take_the_unit_their_rounded_value_needs(
+    flops: float, text: str
+) -> None:
+    from gradgate._observe.graph.parts import format_flops
+
+    assert format_flops(flops) == text

@@ -7,6 +7,8 @@ import math
 
 import gradgate as gg
 
+from .._plumbing.units import in_units
+
 COLUMNS = (
     "layer",
     "weight gradient (wgrad)",
@@ -30,11 +32,7 @@ def human_count(value: float, unit: str = "") -> str:
     """
     if abs(value) < 1000:
         return f"{value:,.0f}" + (f" {unit}" if unit and value else "")
-    for power, prefix in enumerate(_PREFIXES, start=1):
-        shown = _three_digits(value / 1000**power)
-        if abs(float(shown)) < 1000 or prefix == _PREFIXES[-1]:
-            return f"{shown} {prefix}{unit}"
-    raise AssertionError("unreachable")
+    return in_units(value / 1000, [prefix + unit for prefix in _PREFIXES], 1000, _three_digits)
 
 
 def _three_digits(value: float) -> str:

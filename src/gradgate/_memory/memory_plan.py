@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._plumbing.units import in_units
 
 _UNITS = {
     "": 1, "b": 1,
@@ -304,9 +305,4 @@ def format_bytes(size: int) -> str:
     """
     if size < 1024:
         return f"{size} B"
-    units = ("KiB", "MiB", "GiB", "TiB")
-    for power, unit in enumerate(units, start=1):
-        shown = f"{size / 1024**power:.2f}"
-        if float(shown) < 1024 or unit == units[-1]:
-            return f"{shown} {unit}"
-    raise AssertionError("unreachable")
+    return in_units(size / 1024, ("KiB", "MiB", "GiB", "TiB"), 1024, "{:.2f}".format)

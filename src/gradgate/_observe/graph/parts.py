@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..._plumbing.autograd import Node
+from ..._plumbing.units import in_units
 from ..._select.names import ancestors
 
 NodeKind = Literal["op", "loss", "param", "frozen", "late_frozen", "cut", "input", "stop"]
@@ -76,15 +77,12 @@ def ancestors_and_self(name: str) -> list[str]:
 
 
 def format_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"  # pragma: no cover
+    if size < 1024:
+        return f"{size:.0f} B"
+    return in_units(size / 1024, ("KiB", "MiB", "GiB"), 1024, "{:.1f}".format)
 
 
 def format_flops(flops: float) -> str:
-    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.1f} {unit}"
-    return f"{flops:.0f} FLOP"
+    if flops < 1000:
+        return f"{flops:.0f} FLOP"
+    return in_units(flops / 1000, ("kFLOP", "MFLOP", "GFLOP"), 1000, "{:.1f}".format)
