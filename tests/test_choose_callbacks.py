@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens
+from models import Tokens, lightning_trainer, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -74,11 +74,8 @@ def hf_test(function):
 def train_hf(tmp_path: Path, sched, *, steps: int, resume=None, save_strategy="no", **options):
     callback = gg.integrations.transformers.GateCallback(sched)
     recorder = Recorder(callback)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
+    args = trainer_args(
+        tmp_path,
         max_steps=steps,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -189,16 +186,12 @@ def test_lightning_importance_observes_learns_the_draw_logs_and_checkpoints(tmp_
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             seen_plans.append(callback.plan)
 
-    trainer = lightning.Trainer(
+    trainer = lightning_trainer(
+        tmp_path,
         max_steps=4,
-        accelerator="cpu",
         logger=CSVLogger(str(tmp_path), name="run", version=0),
         accumulate_grad_batches=2,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
         callbacks=[callback, Plans()],
     )
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 4))

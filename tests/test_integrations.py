@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, tiny_gpt2, trainer_args
+from models import Tokens, lightning_trainer, tiny_gpt2, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -349,16 +349,12 @@ class Stack(lightning.LightningModule):
 
 def fit(module, callback, tmp_path: Path, *, steps: int, accumulate: int = 1, logger=False):
     data = TensorDataset(torch.randn(32, 3), torch.randn(32, 4))
-    trainer = lightning.Trainer(
+    trainer = lightning_trainer(
+        tmp_path,
         max_steps=steps,
-        accelerator="cpu",
         logger=logger,
         accumulate_grad_batches=accumulate,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
         callbacks=[callback],
     )
     trainer.fit(module, DataLoader(data, batch_size=4))

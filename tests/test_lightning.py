@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import lightning_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,15 +44,7 @@ def test_trainer_learns_only_in_the_chosen_blocks(tmp_path) -> None:
     module = PartialBackprop()
     before = [p.detach().clone() for p in module.net.parameters()]
     data = TensorDataset(torch.randn(16, 4), torch.randn(16, 4))
-    trainer = lightning.Trainer(
-        max_steps=len(DEPTHS),
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = lightning_trainer(tmp_path, max_steps=len(DEPTHS))
     trainer.fit(module, DataLoader(data, batch_size=4))
     assert module.seen == [[False, False, d == 2, True] for d in DEPTHS]
     after = list(module.net.parameters())

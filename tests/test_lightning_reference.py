@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import lightning_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -101,16 +102,8 @@ def fit_and_check(tmp_path: Path, *, lr_in_reference: float = LR) -> None:
     callback = gg.integrations.lightning.GateCallback(sched, blocks="blocks.*")
     module = ResidualStack()
     data = TensorDataset(torch.randn(32, 3), torch.randn(32, 2))
-    trainer = lightning.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        logger=False,
-        accumulate_grad_batches=ACCUMULATE,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[callback],
+    trainer = lightning_trainer(
+        tmp_path, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[callback]
     )
     trainer.fit(module, DataLoader(data, batch_size=4, shuffle=False))
     assert callback.gate is None  # removed at fit end: the deepcopy below is ungated

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import lightning_trainer, trainer_args
 from test_masters import OPTS, N, Net, assert_same_params, batches, loss_of, make
 
 import gradgate as gg
@@ -72,13 +73,10 @@ def hf_train(tmp_path: Path, *, resume: str | None = None, save_steps: int | Non
     opt = gg.optim.LearnerMasters(torch.optim.AdamW, model.parameters(), **OPTS)
     lr = torch.optim.lr_scheduler.LambdaLR(opt, decay)
     callback = GateCallback(gg.schedules.BAdam(N, K, order="random", seed=2), blocks="blocks.*")
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=8,
         max_steps=STEPS,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
         logging_steps=1,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
@@ -150,15 +148,8 @@ def test_lightning_closure_path_is_the_hand_loop(tmp_path) -> None:
     net = make()
     start = copy.deepcopy(net)
     sched = gg.schedules.BAdam(N, K, order="random", seed=2)
-    trainer = lightning.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[GateCallback(sched, model="net", blocks="blocks.*")],
+    trainer = lightning_trainer(
+        tmp_path, max_steps=STEPS, callbacks=[GateCallback(sched, model="net", blocks="blocks.*")]
     )
     trainer.fit(Module(net), torch.utils.data.DataLoader(DATA, batch_size=1))
     ref_opt = hand_loop(start)

@@ -173,18 +173,34 @@ class Tokens(Dataset):
 
 
 def trainer_args(tmp_path: Any, **options: Any) -> Any:
-    """HF ``TrainingArguments`` for a quiet CPU run in ``tmp_path``: no reports, no saves, no
-    progress bar; ``options`` are the rest."""
+    """HF ``TrainingArguments`` for a quiet CPU run in ``tmp_path``: no reports, no saves (unless
+    ``options`` set ``save_strategy``), no progress bar; ``options`` are the rest."""
     import transformers
 
-    return transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        **options,
-    )
+    quiet = {
+        "output_dir": str(tmp_path),
+        "report_to": "none",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    return transformers.TrainingArguments(**{**quiet, **options})
+
+
+def lightning_trainer(tmp_path: Any, **options: Any) -> Any:
+    """A Lightning ``Trainer`` for a quiet CPU run in ``tmp_path``: no logger (unless ``options``
+    give one), no checkpoints, no progress bar or model summary; ``options`` are the rest."""
+    import lightning
+
+    quiet = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    return lightning.Trainer(**{**quiet, **options})
 
 
 def tiny_gpt2(layers: int) -> nn.Module:
