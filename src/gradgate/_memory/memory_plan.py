@@ -161,7 +161,7 @@ class MemoryPlan:
             row
             for row in self.rows
             if (row.depth is not None or row.learn is not None)
-            and row.peak_bytes + (self.headroom_for(row) if extra is None else extra) <= limit
+            and needed_bytes(row, self.device, extra) <= limit
         ]
         if not fitting:
             return None
@@ -263,6 +263,14 @@ class MemoryPlan:
 
     def __repr__(self) -> str:
         return f"<MemoryPlan {self.model}: {len(self.rows)} rows>\n{self.table()}"
+
+
+def needed_bytes(row: MemoryRow, device: str, headroom: int | None = None) -> int:
+    """What ``row`` needs on ``device``: its peak plus ``headroom`` bytes, by default the
+    device's (:func:`default_headroom`). The one rule of :meth:`MemoryPlan.fits` and
+    ``gradgate plan --memory``."""
+    room = default_headroom(row.peak_bytes, device) if headroom is None else headroom
+    return row.peak_bytes + room
 
 
 def default_headroom(peak_bytes: int, device: str) -> int:

@@ -21,7 +21,7 @@ from .configs import (
     quiet_transformers,
     read_config,
 )
-from .memory_plan import MemoryPlan, MemoryRow, default_headroom, format_bytes, parse_bytes
+from .memory_plan import MemoryPlan, MemoryRow, format_bytes, needed_bytes, parse_bytes
 from .options import OPTIMIZERS, default_depths
 
 if TYPE_CHECKING:
@@ -226,8 +226,7 @@ def _depth_rows(
 
 def _fits(budget: int, headroom: int | None) -> Callable[[MemoryRow], bool]:
     def fits(row: MemoryRow) -> bool:
-        room = default_headroom(row.peak_bytes, "cuda") if headroom is None else headroom
-        return row.peak_bytes + room <= budget
+        return needed_bytes(row, "cuda", headroom) <= budget
 
     return fits
 
@@ -277,10 +276,10 @@ def verdict(plan: MemoryPlan, text: str, budget: int, headroom: int | None = Non
     rows = [row for row in plan.rows if row.depth is not None or row.learn is not None]
     full = [row for row in plan.rows if row.depth is None and row.learn is None]
 
-    def room(row: MemoryRow) -> int:
-        return plan.headroom_for(row) if headroom is None else headroom
+    def needs(row: MemoryRow) -> int:
+        return needed_bytes(row, plan.device, headroom)
 
-    fitting = [row for row in rows if row.peak_bytes + room(row) <= budget]
+    fitting = [row for row in rows if needs(row) <= budget]
     how = (
         "peak + headroom: 512 MiB + 5% of the peak"
         if headroom is None
@@ -288,17 +287,17 @@ def verdict(plan: MemoryPlan, text: str, budget: int, headroom: int | None = Non
     )
     if fitting:
         best = max(fitting, key=lambda row: _depth(plan, row))
-        best_row = f"{_depth(plan, best)} ({format_bytes(best.peak_bytes + room(best))})"
+        best_row = f"{_depth(plan, best)} ({format_bytes(needs(best))})"
         answer = f"largest depth that fits in {text} ({how}): {best_row}"
     else:
         smallest = min(rows, key=lambda row: row.peak_bytes)
         answer = (
             f"no depth fits in {text} ({how}): the smallest is "
-            f"{format_bytes(smallest.peak_bytes + room(smallest))} (depth {_depth(plan, smallest)})"
+            f"{format_bytes(needs(smallest))} (depth {_depth(plan, smallest)})"
         )
     for row in full:
-        fate = "fits" if row.peak_bytes + room(row) <= budget else "does not fit"
-        answer += f"\na full fine-tune {fate} ({format_bytes(row.peak_bytes + room(row))})"
+        fate = "fits" if needs(row) <= budget else "does not fit"
+        answer += f"\na full fine-tune {fate} ({format_bytes(needs(row))})"
     return answer
 
 
