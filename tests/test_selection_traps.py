@@ -7,26 +7,10 @@ import copy
 
 import pytest
 import torch
+from models import tiny_gpt2
 from torch import nn
 
 import gradgate as gg
-
-
-def gpt2(layers: int = 4) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=32,
-        n_head=2,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    return GPT2LMHeadModel(config).eval()
 
 
 class Residual(nn.Module):
@@ -68,7 +52,7 @@ def _hooks(model: nn.Module) -> list[int]:
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda: gpt2().transformer.h[3], id="gpt2-block"),
+        pytest.param(lambda: tiny_gpt2(4).transformer.h[3], id="gpt2-block"),
         pytest.param(lambda: Net().blocks[3], id="residual-block-with-sequential-mlp"),
         pytest.param(lambda: nn.TransformerEncoderLayer(8, 2), id="torch-encoder-layer"),
     ],
@@ -89,7 +73,7 @@ def test_a_single_block_gated_alone_is_refused_without_a_child_list(make) -> Non
 
 
 def test_the_model_that_contains_the_block_finds_the_blocks_and_trains_the_last_one() -> None:
-    model = gpt2()
+    model = tiny_gpt2(4)
     assert gg.blocks(model) == [f"transformer.h.{i}" for i in range(4)]
     net = Net()
     assert gg.blocks(net) == [f"blocks.{i}" for i in range(4)]
