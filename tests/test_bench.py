@@ -413,7 +413,7 @@ def test_a_failing_torch_formula_falls_back() -> None:
 
 
 def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
-    from gradgate._bench import schedules
+    from gradgate._bench.sections import schedules
 
     rows = {row["method"]: row for row in schedules.measure(blocks=3, width=8, steps=4)}
     assert list(rows) == [
@@ -437,7 +437,7 @@ def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
 
 @pytest.mark.slow  # two spawned processes: about 8 s here
 def test_distributed_section_sends_the_trained_share() -> None:
-    from gradgate._bench import distributed
+    from gradgate._bench.sections import distributed
 
     section = distributed.measure(blocks=3, width=8, steps=2, depths=(1, 2, None))
     rows = {row["depth"]: row for row in section["rows"]}

@@ -1,4 +1,5 @@
-"""The comparison of learner choices (gradgate._bench.learners): its task and its budgets."""
+"""The comparison of learner choices (gradgate._bench.sections.learners): its task and its
+budgets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from gradgate._bench import learners
+from gradgate._bench.sections import learners
 
 
 def test_the_finetuning_entropy_is_the_loss_of_the_true_next_token_distribution() -> None:

@@ -654,7 +654,7 @@ def test_importing_gradgate_integrations_does_not_import_deepspeed() -> None:
 
 
 def test_bench_table_has_a_line_per_stage_and_depth() -> None:
-    from gradgate._bench.deepspeed import table
+    from gradgate._bench.sections.deepspeed import table
 
     row = {
         "stage": 3,

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradgate as gg
-from gradgate._bench.distributed import counting_all_reduce
+from gradgate._bench.sections.distributed import counting_all_reduce
 from gradgate._cut.fsdp import FsdpPlan, _fsdp_param_groups
 from gradgate._plumbing.torch_internals import TORCH_RELEASE
 from gradgate.distributed._bucket_tag import disagreeing, encode

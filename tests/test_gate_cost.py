@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradgate as gg
-from gradgate._bench.bytecode import count
+from gradgate._bench.cost.bytecode import count
 from gradgate._cut import cut as _cut_module
 from gradgate._cut import frames as _frames
 from gradgate._cut import plans as _plan_tables
@@ -775,7 +775,7 @@ def test_the_bytecode_count_follows_the_bench_from_depth_to_depth(
 ) -> None:
     """``--cycle`` counts each step after a step at the depth before it: the step at None takes
     the hooks off, which a step after a step at None does not do."""
-    from gradgate._bench import bytecode
+    from gradgate._bench.cost import bytecode
 
     rows = {}
     for cycle in (False, True):
@@ -817,7 +817,7 @@ def test_the_bytecode_count_takes_only_the_packages_own_files(tmp_path: Any) -> 
     torch under a path that contains "gradgate": only the package's own folder counts."""
     from pathlib import Path
 
-    from gradgate._bench import bytecode
+    from gradgate._bench.cost import bytecode
 
     package = Path(gg.__file__).parent
 

@@ -198,17 +198,17 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         document = _measure(args)
         if args.schedules:
-            from . import schedules
+            from .sections import schedules
 
             document["schedules"] = schedules.measure()
         if args.distributed:
-            from . import distributed
+            from .sections import distributed
 
             document["distributed"] = distributed.measure()
         report.write_json(document, args.json)
     print(render(document, fmt="markdown" if args.markdown else "text"))
     for section in (s for s in report.SECTIONS if s in document):
-        module = importlib.import_module(f"{__name__}.{section}")
+        module = importlib.import_module(f"{__name__}.sections.{section}")
         print("\n" + module.table(document[section]))
     written = [] if args.from_json is not None else [str(args.json)]
     if not args.no_plot:

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from .._plumbing.progress import Progress
-from . import compiled, measure, overheads
+from . import compiled, measure
 from .catalog import FACTORIES
+from .cost import overheads
 from .device import Meter, describe, meter_for
 from .methods import Runner, configurations
 from .workloads import Depth, Size

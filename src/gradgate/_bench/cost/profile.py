@@ -4,7 +4,7 @@ Profiles gradgate steps with cProfile and reports the time spent inside gradgate
 (the gate's hooks and the depth setter) as a fraction of the step, per model, and the
 median-of-alternating-steps ratio gradgate / ideal. A maintainer's tool, run as::
 
-    python -m gradgate._bench.profile --size quick --depth 3 --steps 10
+    python -m gradgate._bench.cost.profile --size quick --depth 3 --steps 10
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pstats
 import statistics
 import time
 
-from .catalog import FACTORIES
-from .methods import Runner
+from ..catalog import FACTORIES
+from ..methods import Runner
 
 
 def gate_seconds(stats: pstats.Stats) -> float:
@@ -31,7 +31,7 @@ def gate_seconds(stats: pstats.Stats) -> float:
 def main() -> None:
     """Profile every workload and print one line each."""
     parser = argparse.ArgumentParser(
-        prog="python -m gradgate._bench.profile", description=__doc__.split("\n\n")[0]
+        prog="python -m gradgate._bench.cost.profile", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--size", default="quick", choices=["full", "quick", "tiny"])
     parser.add_argument("--depth", default="3", help="an integer, or 'all' for no cut")

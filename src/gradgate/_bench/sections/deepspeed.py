@@ -8,7 +8,7 @@ under ZeRO stages 1, 2 and 3. Counted per rank: the bytes of the AdamW state (``
 per step (all-reduce: the tensor; reduce-scatter: its input; all-gather: its output), with the
 one byte per parameter by which the ranks agree on what learned counted apart.
 
-Run: ``python -m gradgate._bench.deepspeed`` (needs ``pip install gradgate[deepspeed]``).
+Run: ``python -m gradgate._bench.sections.deepspeed`` (needs ``pip install gradgate[deepspeed]``).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _rank(rank: int, port: int, out: str, settings: dict[str, Any]) -> None:
 def _row(rank: int, stage: int, depth: int | None, settings: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
 
-    from ..integrations.deepspeed import step_learners_only
+    from ...integrations.deepspeed import step_learners_only
 
     blocks, steps = settings["blocks"], settings["steps"]
     config = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": stage}}
@@ -211,7 +211,7 @@ def _rotating_row(rank: int, stage: int, settings: dict[str, Any]) -> dict[str, 
     """LISA with one block a step: state bytes after the steps, kept or dropped on switch."""
     import deepspeed
 
-    from ..integrations.deepspeed import step_learners_only
+    from ...integrations.deepspeed import step_learners_only
 
     blocks, steps = settings["blocks"], 2 * settings["blocks"]
     schedule = gg.schedules.LISA(blocks, k=1, every=1, seed=0)

@@ -9,9 +9,9 @@ of the blocks' parameters learn per step (one block of four, or modules worth as
 what runs after the blocks (the final norm, the head); all use AdamW at one learning rate,
 drop the optimizer state of what stops learning, and redraw every ``every`` steps.
 
-``python -m gradgate._bench.learners --seeds 5 --steps 200`` runs the full size (minutes on a
-CPU) and writes ``gradgate-out/learners/learners.json`` and ``learners.png``; ``--size tiny``
-runs in seconds (the docs run it).
+``python -m gradgate._bench.sections.learners --seeds 5 --steps 200`` runs the full size
+(minutes on a CPU) and writes ``gradgate-out/learners/learners.json`` and ``learners.png``;
+``--size tiny`` runs in seconds (the docs run it).
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ def _timed(name: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.learners")
+    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.sections.learners")
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)

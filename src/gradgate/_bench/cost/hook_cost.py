@@ -1,6 +1,6 @@
 """Cost of the gate's hooks per step, in CPU time: a gated step against the same step ungated.
 
-``python -m gradgate._bench.hook_cost [label]``; run it with ``PYTHONPATH`` pointing at another
+``python -m gradgate._bench.cost.hook_cost [label]``; run it with ``PYTHONPATH`` pointing at another
 checkout's ``src`` to compare versions. CPU time (``time.process_time``) rather than wall time,
 so other processes on a shared machine disturb it less.
 """

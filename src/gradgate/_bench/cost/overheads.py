@@ -11,9 +11,9 @@ import torch
 
 import gradgate as gg
 
-from .device import Meter, meter_for
-from .methods import Runner
-from .workloads import Size, transformer
+from ..device import Meter, meter_for
+from ..methods import Runner
+from ..workloads import Size, transformer
 
 
 def depth_change(

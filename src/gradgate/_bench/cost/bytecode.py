@@ -5,8 +5,9 @@ Unlike a step's time on a shared machine, these counts are the same at every run
 Python and one torch), so a change to the gate's hot path shows exactly what it removed;
 compare two checkouts by pointing ``PYTHONPATH`` at each::
 
-    PYTHONPATH=src python -m gradgate._bench.bytecode
-    PYTHONPATH=<other checkout>/src python -m gradgate._bench.bytecode --models gpt2 --depths 0,1
+    PYTHONPATH=src python -m gradgate._bench.cost.bytecode
+    PYTHONPATH=<other checkout>/src python -m gradgate._bench.cost.bytecode \
+        --models gpt2 --depths 0,1
 
 A step is forward, loss, backward, optimizer step and ``zero_grad``, after three warm-up steps
 at the same depth (with ``--cycle``: after a step at the depth listed before it, as in the
@@ -34,8 +35,8 @@ from typing import Any
 
 import torch
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_BENCH = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(_BENCH)) + os.sep
 
 
 def _ours(code: CodeType) -> bool:
@@ -146,8 +147,8 @@ def main() -> None:
         "bench interleaves them), not steps at its own depth",
     )
     args = parser.parse_args()
-    from .catalog import FACTORIES
-    from .methods import Runner
+    from ..catalog import FACTORIES
+    from ..methods import Runner
 
     depths = [None if d == "all" else int(d) for d in args.depths.split(",")]
     print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, {args.size} sizes")

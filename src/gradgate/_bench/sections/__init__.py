@@ -1,0 +1,4 @@
+"""Comparisons beyond the five methods of the step bench: the schedules side by side
+(``schedules``, ``gradgate bench --schedules``), bytes all-reduced under DDP (``distributed``,
+``--distributed``), ZeRO's optimizer state and traffic (``deepspeed``), and which modules
+should learn at equal budgets (``learners``). Each also runs on its own with ``python -m``."""
