@@ -193,10 +193,13 @@ def test_every_private_package_is_a_layer_that_says_what_it_may_import() -> None
 
 
 def test_a_tree_anyone_can_scan() -> None:
-    """At most 18 entries at the top, at most about 12 modules in a layer's folder."""
+    """At most 18 entries at the top, at most about 12 modules in any folder (the layers', the
+    demo's and the benchmark's, and each one's sub-folders)."""
     top = [p.name for p in SRC.iterdir() if p.name != "__pycache__"]
     assert len(top) <= 18, sorted(top)
-    for folder in [SRC / name for name in LAYER_OF if (SRC / name).is_dir()]:
-        for sub in [folder, *(p for p in folder.iterdir() if p.is_dir())]:
+    folders = [SRC / name for name in [*LAYER_OF, "_demo", "_bench"] if (SRC / name).is_dir()]
+    for folder in folders:
+        subs = [p for p in folder.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+        for sub in [folder, *subs]:
             modules = [p for p in sub.glob("*.py") if p.name != "__init__.py"]
             assert len(modules) <= 12, (sub.relative_to(SRC), len(modules))
