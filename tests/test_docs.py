@@ -67,6 +67,11 @@ def parse(text: str) -> list[Block]:
 def prepared(needs: tuple[str, ...]):
     """What a block that needs an optional package runs under in this test."""
     with warnings.catch_warnings():
+        # A page is code people copy: a deprecation that it triggers fails, whatever package
+        # raises it (transformers attributes its own warnings to itself), so the pages use what
+        # the installed (in CI, the newest) releases want.
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("error", category=category)
         # accelerate imports deepspeed where it is installed: its logger must come first too
         if "deepspeed" in needs or (
             "accelerate" in needs and importlib.util.find_spec("deepspeed")

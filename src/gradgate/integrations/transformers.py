@@ -58,7 +58,8 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     draw continue where they were.
 
     Works with non-reentrant gradient checkpointing
-    (``gradient_checkpointing_kwargs={"use_reentrant": False}``): then (or with
+    (``activation_checkpointing_kwargs={"use_reentrant": False}``, named
+    ``gradient_checkpointing_kwargs`` before transformers 5.23): then (or with
     ``freeze_for_step=True``) the blocks that do not learn in a step are kept frozen
     (``requires_grad=False``) for the whole step, so that the backward's recomputation of a
     block sees the flags its forward saw; they are given back at the next step and at the end.
@@ -163,7 +164,7 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         self._deepspeed = step_learners_only_if_deepspeed(kwargs.get("optimizer"))
         hold = self._freeze_for_step
         if hold is None:
-            hold = bool(getattr(model, "is_gradient_checkpointing", False))
+            hold = _checkpointing(model)
         self._driver.hold_frozen = hold
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -230,3 +231,12 @@ def _constructing_trainer() -> Any:
             return owner
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether transformers checkpoints the model's layers (5.23 renamed the flag and deprecated
+    the old name, which 4.x and earlier 5.x releases have alone)."""
+    for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), flag):
+            return bool(getattr(model, flag))
+    return False
