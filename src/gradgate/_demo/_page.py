@@ -9,7 +9,6 @@ import html
 import io
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +45,8 @@ td.w{color:#b00;font-weight:600}
 .graph svg{max-width:100%;height:auto}
 dl.words dt{font-weight:600;margin-top:.4em}dl.words dd{margin-left:1.2em}
 .answer{background:#eef7ee;border-left:4px solid #2e8b57;padding:.4em .9em}
-.legend svg{max-width:100%;height:auto}
+.legend{display:flex;flex-wrap:wrap;gap:.5em;margin:.4em 0 1em}
+.legend .key{padding:.25em .7em;font-size:14px;line-height:1.3}
 """
 
 
@@ -174,12 +174,14 @@ def _code(text: str) -> str:
 
 
 def _doc_link(relative: str) -> str:
-    """A link to a docs page when the docs are next to the package, else its name."""
+    """A docs page named in words, with its title when the docs are next to the package: a
+    link to this machine's files would break once the report is copied or sent."""
+    name = f"<code>{html.escape(f'docs/{relative}')}</code> in the gradgate repository"
     target = _DOCS / relative
-    name = html.escape(f"docs/{relative}")
-    if target.is_file():
-        return f"<a href='{html.escape(target.as_uri())}'>{name}</a>"
-    return f"<code>{name}</code> in the gradgate repository"
+    if not target.is_file():
+        return name
+    title = target.read_text(encoding="utf-8").partition("\n")[0].removeprefix("# ").strip()
+    return f"“{html.escape(title)}” ({name})" if title else name
 
 
 def _docs_footer() -> str:
@@ -211,29 +213,43 @@ def _graph_svg(picture: gg.Graph | None) -> str:
 
 
 def _legend(scenarios: list[Scenario]) -> str:
-    """The graphs' legend, drawn once: the legend part of a graph's DOT text, alone."""
+    """The graphs' legend, once for the page, as a row of keys under its sentence that wraps on
+    a narrow screen: each key styled as the graph module draws it (the legend part of a graph's
+    DOT text)."""
     pictures = [s.picture for s in scenarios if s.picture is not None]
-    dot = shutil.which("dot")
-    if not pictures or dot is None:
-        return ""
+    if not pictures or shutil.which("dot") is None:
+        return ""  # no graph is drawn
     with_legend = pictures[0].to_dot().splitlines()
     without = pictures[0].to_dot(legend=False).splitlines()
     if with_legend[: len(without) - 1] != without[:-1]:
         return ""  # the legend is not a plain suffix: draw none rather than a wrong one
-    settings = [line for line in without if re.match(r"(digraph |  (graph|node|edge) \[)", line)]
-    # one entry per row (no rank=same), so that the legend stays legible on a narrow screen
-    entries = [line for line in with_legend[len(without) - 1 :] if "rank=same" not in line]
-    legend = [*settings, '  graph [ranksep="0.12"];', *entries]
-    svg = subprocess.run(
-        [dot, "-Tsvg"], input="\n".join(legend), capture_output=True, text=True, check=True
-    ).stdout
+    entries = [_LEGEND_ENTRY.search(line) for line in with_legend[len(without) - 1 :]]
+    keys = [_key(dict(_DOT_ATTRIBUTE.findall(e.group(1)))) for e in entries if e is not None]
     return (
-        "<div class='cols'><div class='text'><p>Each question comes with its autograd graph: "
-        "the operations backward runs, grouped by the layer that recorded them. The loss is "
-        "at the bottom; backward runs upward from it, along the arrows in reverse. Repeated "
-        "identical layers are drawn once (<code>0–9 ×10</code>). The colours:</p></div>"
-        f"<div class='legend'>{_inline(svg)}</div></div>"
+        "<p>Each question comes with its autograd graph: the operations backward runs, grouped "
+        "by the layer that recorded them. The loss is at the bottom; backward runs upward from "
+        "it, along the arrows in reverse. Repeated identical layers are drawn once "
+        f"(<code>0–9 ×10</code>). The colours:</p><div class='legend'>{''.join(keys)}</div>"
     )
+
+
+_LEGEND_ENTRY = re.compile(r"^\s*legend_\d+ \[(.*)\];$")
+_DOT_ATTRIBUTE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _key(attributes: dict[str, str]) -> str:
+    """One legend entry of the DOT text as a small HTML box in the same colours and outline."""
+    style = attributes.get("style", "")
+    line = "dashed" if "dashed" in style else "solid"
+    css = [
+        f"background:{attributes.get('fillcolor', '#ffffff')}",
+        f"border:{attributes.get('penwidth', '1')}px {line} {attributes.get('color', '#000')}",
+        f"color:{attributes.get('fontcolor', '#222222')}",
+    ]
+    if "rounded" in style or attributes.get("shape") == "octagon":
+        css.append("border-radius:.6em")
+    label = "<br>".join(html.escape(part) for part in attributes["label"].split("\\n"))
+    return f"<span class='key' style='{html.escape(';'.join(css))}'>{label}</span>"
 
 
 def _inline(svg: str) -> str:
