@@ -242,7 +242,7 @@ def test_budget_strings(text: str, expected: int) -> None:
     plan = gg.estimate(net, torch.randn(1, 2))
     peak = plan[2].peak_bytes
     assert plan.fits(text, headroom=0) == (2 if expected >= peak else None)
-    from gradgate._memory.memory_plan import parse_bytes
+    from gradgate._memory.budget import parse_bytes
 
     assert parse_bytes(text) == expected
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import gradgate as gg
-from gradgate._memory.memory_plan import HEADROOM
+from gradgate._memory.budget import HEADROOM
 from gradgate._plumbing.torch_internals import TORCH_RELEASE
 
 COMPILED = """

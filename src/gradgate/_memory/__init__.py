@@ -5,7 +5,8 @@ tensors, per depth or learning set), ``options`` (its options, and the optimizer
 the target device), ``twin`` (the fake copy of the model and its inputs), ``step`` (one step
 per row), ``counter`` (the live bytes of every storage), ``replay`` (blocks before the cut run
 once), ``memory_plan`` (``MemoryPlan`` and ``MemoryRow``, the result: ``fits``, text, JSON,
-HTML), ``configs`` and ``plan_command`` (``gradgate plan``: a transformers config planned on
+HTML), ``budget`` (a row's peak plus headroom, sizes, the depths planned around a budget),
+``configs`` and ``plan_command`` (``gradgate plan``: a transformers config planned on
 the meta device).
 
 May import: ``_plumbing``, ``_select``, ``_cut``, ``_tools``; not ``_observe``, the other half

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -35,7 +35,7 @@ from .._cut.gate import BackpropGate
 from .._plumbing.errors import EstimateError, GradgateError
 from .._plumbing.torch_internals import fake_tensor_mode, unwrap_compiled, value_dependent_errors
 from .._select.names import Pattern, check_module, resolve_blocks
-from .memory_plan import MemoryPlan, MemoryRow
+from .memory_plan import MemoryPlan, MemoryRow, Replanner
 from .options import (
     LearnSet,
     StepOptions,
@@ -52,7 +52,7 @@ from .options import (
 )
 from .replay import PrefixReplay
 from .step import Plan, StepSimulator
-from .twin import eager, fake_twin, step_inputs
+from .twin import eager, fake_twin, light_inputs, meta_copy, step_inputs
 
 
 def estimate(
@@ -88,8 +88,12 @@ def estimate(
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     >>> plan = gg.estimate(net, torch.randn(64, 512))
-    >>> [row.depth for row in plan.rows], plan.fits("32MiB")
-    ([0, 1, 2, 4, 8], 4)
+    >>> [row.depth for row in plan.rows]
+    [0, 1, 2, 4, 8]
+    >>> plan.fits("32MiB")  # plans depths 6 and 7 to answer among all depths
+    6
+    >>> [row.depth for row in plan.rows]
+    [0, 1, 2, 4, 6, 7, 8]
     >>> plan[8].peak_phase
     'step'
     """
@@ -133,17 +137,20 @@ class StepPlanner:
         device: torch.device | str | None = None,
         blocks: Sequence[Pattern] | str | None = None,
         replay: bool = True,
+        options: StepOptions | None = None,
     ) -> None:
         check_module(model)
         model = unwrap_compiled(model)
-        cast = dtype_option(dtype)
-        self._options = StepOptions(
-            optimizer=optimizer_option(optimizer),
-            cast=cast,
-            amp=amp_option(amp),
-            masters=masters_option(masters, model, cast),
-            device=device_option(device, model),
-        )
+        if options is None:  # given: checked already (a planner made again by replanner())
+            cast = dtype_option(dtype)
+            options = StepOptions(
+                optimizer=optimizer_option(optimizer),
+                cast=cast,
+                amp=amp_option(amp),
+                masters=masters_option(masters, model, cast),
+                device=device_option(device, model),
+            )
+        self._options = options
         self._model, self._inputs, self._blocks = model, (args, kwargs), blocks
         self._replay = replay
         self._stack = contextlib.ExitStack()
@@ -197,7 +204,28 @@ class StepPlanner:
             peak_phase=figures.peak_phase,
         )
 
+    def replanner(self) -> Replanner:
+        """What plans more rows later (:meth:`MemoryPlan.fits`): a context manager that opens a
+        planner of the model as it is now, with these options and inputs, and gives its
+        ``row``. The model is copied now with ``meta`` tensors: the later rows are those of
+        the model as planned here, and no memory of it is held."""
+        model, (args, kwargs) = meta_copy(self._model), light_inputs(*self._inputs)
+        options, blocks = self._options, self._blocks
+
+        @contextlib.contextmanager
+        def reopened() -> Iterator[Callable[[Plan], MemoryRow]]:
+            with StepPlanner(model, args, kwargs, blocks=blocks, options=options) as planner:
+                yield planner.row
+
+        return reopened
+
     def result(self, rows: Sequence[MemoryRow]) -> MemoryPlan:
+        """The plan of ``rows``, able to plan more depths (:meth:`replanner`)."""
+        plan = self._result(rows)
+        plan._replanner = self.replanner()
+        return plan
+
+    def _result(self, rows: Sequence[MemoryRow]) -> MemoryPlan:
         options = self._options
         return MemoryPlan(
             type(self._model).__name__,

@@ -3,27 +3,20 @@ budget question (``fits``) and its renderings (text table, JSON, HTML)."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._plumbing.errors import InvalidDepthError
 from .._plumbing.units import in_units
+from .budget import default_headroom, needed_bytes, parse_bytes, plan_around
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_BUDGET = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _COLUMNS = ("params", "grads", "optimizer", "saved", "other", "peak", "phase")
-# fits()'s default headroom over the peak, per target: (bytes, fraction of the peak). Provisional
-# until measured on a GPU: CUDA's cuBLAS/cuDNN workspaces and allocator fragmentation, which
-# no simulation sees (the CUDA context is outside the budget torch can allocate anyway); on the
-# CPU, kernel scratch such as oneDNN's (+1.3% measured on a CNN).
-HEADROOM = {"cuda": (512 * 2**20, 0.05), "cpu": (0, 0.05)}
+# opens a planner of the model as it was estimated; inside, it plans one more depth per call
+Replanner = Callable[[], AbstractContextManager[Callable[[int], "MemoryRow"]]]
 
 
 @dataclass(frozen=True)
@@ -101,8 +94,8 @@ class MemoryPlan:
     >>> plan = gg.estimate(net, torch.randn(8, 256), optimizer="sgd")
     >>> [row.depth for row in plan.rows], plan[1].grad_bytes
     ([0, 1, 2, 4], 263168)
-    >>> plan.fits("2MiB")
-    2
+    >>> plan.fits("2MiB"), [row.depth for row in plan.rows]
+    (3, [0, 1, 2, 3, 4])
     """
 
     def __init__(
@@ -126,6 +119,7 @@ class MemoryPlan:
         self.masters = masters
         self.device = device
         self.labels: dict[MemoryRow, str] = {}  # a row's name in the table, if not its label
+        self._replanner: Replanner | None = None  # plans more depths (fits), set by the planner
 
     def __getitem__(self, key: int | Iterable[int | str]) -> MemoryRow:
         """The row of depth ``key`` (an integer) or of the learning set ``key``."""
@@ -146,27 +140,60 @@ class MemoryPlan:
     def fits(
         self, budget: int | float | str, headroom: int | float | str | None = None
     ) -> int | frozenset[int | str] | None:
-        """The largest depth (or learning set with the most gradient bytes) whose peak plus
-        ``headroom`` is at most ``budget`` (bytes, or a string such as ``"24GiB"`` or
-        ``"80 GB"``); ``None`` when no row fits.
+        """The largest depth whose peak plus ``headroom`` is at most ``budget`` (bytes, or a
+        string such as ``"24GiB"`` or ``"80 GB"``), among all depths ``0..blocks``; ``None``
+        when none fits.
+
+        The depths that decide the answer and were not planned yet are planned now, on the
+        copy of the model ``gg.estimate`` took (the model as it was then), and join
+        :attr:`rows`: the largest depth that fits and the next one, which does not, are rows
+        of the plan afterwards. The peak grows with the depth, so a few rows settle it. A
+        plan of learning sets only answers with the planned set with the most gradient bytes
+        that fits; none is planned for it. A full fine-tune row (``gradgate plan`` adds one)
+        is not a depth: its own ``peak_bytes`` answers for it.
 
         ``headroom=None`` is the default of the plan's device (:meth:`headroom_for`): on CUDA
         512 MiB + 5% of the peak, on the CPU 5% of the peak. Pass ``headroom=0`` for the bare
-        peak, or bytes of your own. A full fine-tune row (``gradgate plan`` adds one) is not a
-        depth: its own ``peak_bytes`` answers for it.
+        peak, or bytes of your own.
         """
         limit = parse_bytes(budget)
-        extra = None if headroom is None else parse_bytes(headroom)
-        fitting = [
+        extra = None if headroom is None else parse_bytes(headroom, "headroom")
+
+        def fitting(row: MemoryRow) -> bool:
+            return needed_bytes(row, self.device, extra) <= limit
+
+        self._plan_around(fitting)
+        candidates = [
             row
             for row in self.rows
-            if (row.depth is not None or row.learn is not None)
-            and needed_bytes(row, self.device, extra) <= limit
+            if (row.depth is not None or row.learn is not None) and fitting(row)
         ]
-        if not fitting:
+        if not candidates:
             return None
-        best = max(fitting, key=lambda r: (r.grad_bytes, -1 if r.depth is None else r.depth))
+        best = max(candidates, key=lambda r: (r.grad_bytes, -1 if r.depth is None else r.depth))
         return best.depth if best.learn is None else best.learn
+
+    def _plan_around(self, fitting: Callable[[MemoryRow], bool]) -> None:
+        """Plan the depths between the largest planned one that fits and the next planned one
+        that does not (:func:`budget.plan_around`); the depth rows stay ordered by depth. The
+        planner opens only if a row is missing."""
+        rows = {row.depth: row for row in self.rows if row.learn is None}
+        depths = {depth: row for depth, row in rows.items() if depth is not None}
+        if not depths or self._replanner is None:
+            return
+        count, replanner = len(depths), self._replanner
+        with contextlib.ExitStack() as stack:
+            opened: list[Callable[[int], MemoryRow]] = []
+
+            def plan_row(depth: int) -> MemoryRow:
+                if not opened:
+                    opened.append(stack.enter_context(replanner()))
+                return opened[0](depth)
+
+            plan_around(depths, plan_row, self.blocks, fitting)
+        if len(depths) > count:
+            others = [row for row in self.rows if row.learn is not None or row.depth is None]
+            self.rows = (*(depths[depth] for depth in sorted(depths)), *others)
 
     def headroom_for(self, row: MemoryRow) -> int:
         """The default headroom :meth:`fits` adds to ``row``'s peak, in bytes. Provisional:
@@ -263,45 +290,6 @@ class MemoryPlan:
 
     def __repr__(self) -> str:
         return f"<MemoryPlan {self.model}: {len(self.rows)} rows>\n{self.table()}"
-
-
-def needed_bytes(row: MemoryRow, device: str, headroom: int | None = None) -> int:
-    """What ``row`` needs on ``device``: its peak plus ``headroom`` bytes, by default the
-    device's (:func:`default_headroom`). The one rule of :meth:`MemoryPlan.fits` and
-    ``gradgate plan --memory``."""
-    room = default_headroom(row.peak_bytes, device) if headroom is None else headroom
-    return row.peak_bytes + room
-
-
-def default_headroom(peak_bytes: int, device: str) -> int:
-    """The headroom :meth:`MemoryPlan.fits` adds by default to a peak on ``device``.
-
-    >>> default_headroom(2**30, "cuda") == 512 * 2**20 + 2**30 // 20, default_headroom(100, "cpu")
-    (True, 5)
-    """
-    fixed, fraction = HEADROOM.get(device, HEADROOM["cuda"])
-    return fixed + int(fraction * peak_bytes)
-
-
-def parse_bytes(budget: object) -> int:
-    """Bytes from ``24GiB``, ``"80 GB"``, ``"512"`` or a number; bad values raise.
-
-    >>> parse_bytes("24GiB"), parse_bytes("1.5 kB"), parse_bytes(7)
-    (25769803776, 1500, 7)
-    """
-    value: float | None = None
-    if isinstance(budget, (int, float)) and not isinstance(budget, bool):
-        value = float(budget)
-    elif isinstance(budget, str) and (match := _BUDGET.fullmatch(budget)):
-        unit = _UNITS.get(match[2].lower())
-        value = None if unit is None else float(match[1]) * unit
-    if value is None or not value >= 0 or value == float("inf"):
-        raise InvalidOptionError(
-            f"memory budget {budget!r} is not a size; expected bytes as a number >= 0 or a "
-            "string with a unit, e.g. '24GiB', '80 GB' or '512MiB' (units: B, kB, MB, GB, TB, "
-            "KiB, MiB, GiB, TiB)."
-        )
-    return int(value)
 
 
 def format_bytes(size: int) -> str:

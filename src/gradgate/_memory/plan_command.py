@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .budget import needed_bytes, parse_bytes, plan_around
 from .configs import (
     check_seq,
     default_blocks,
@@ -21,7 +22,7 @@ from .configs import (
     quiet_transformers,
     read_config,
 )
-from .memory_plan import MemoryPlan, MemoryRow, format_bytes, needed_bytes, parse_bytes
+from .memory_plan import MemoryPlan, MemoryRow, format_bytes
 from .options import OPTIMIZERS, default_depths
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def _depth_rows(
 
     rows = {depth: row(depth) for depth in _chosen(depths, n)}
     if fits is not None:
-        _around(rows, row, n, fits)
+        plan_around(rows, row, n, fits)
     return rows
 
 
@@ -245,25 +246,6 @@ def _chosen(depths: list[tuple[int, int]] | str | None, n: int) -> list[int]:
             )
         chosen += range(first, last + 1)
     return sorted(set(chosen))
-
-
-def _around(
-    rows: dict[int, MemoryRow],
-    row: Callable[[int], MemoryRow],
-    n: int,
-    fits: Callable[[MemoryRow], bool],
-) -> None:
-    """Plan the depths between the largest that fits and the next that does not, by halving
-    (the peak grows with the depth), until they are neighbours."""
-    if 0 not in rows:
-        rows[0] = row(0)
-    fitting = [depth for depth, found in rows.items() if fits(found)]
-    low = max(fitting, default=-1)
-    high = min((depth for depth in rows if depth > low and not fits(rows[depth])), default=n + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        rows[middle] = row(middle)
-        low, high = (middle, high) if fits(rows[middle]) else (low, middle)
 
 
 def _config_dtype(config: Any) -> str | None:

@@ -46,6 +46,48 @@ def fake_twin(model: nn.Module, mode: Any, cast: torch.dtype | None) -> nn.Modul
     return twin
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same
+    shapes, dtypes and ``requires_grad`` (ties kept): what a later plan of the model as it is
+    now needs, holding none of its memory."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            meta = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+            if isinstance(tensor, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = meta
+    return copy.deepcopy(model, memo)
+
+
+def light_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs as :func:`step_inputs` reads them, holding little memory: floating
+    tensors and large integer ones become ``meta`` tensors of their shapes (they are planned
+    as fake tensors anyway), small integer ones detached CPU copies (their values count)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def convert(leaf: Any, name: str) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in done:
+            floating = leaf.is_floating_point() or leaf.is_complex()
+            if floating or leaf.numel() > REAL_LIMIT or leaf.is_meta:
+                meta = torch.empty_strided(
+                    leaf.shape, leaf.stride(), dtype=leaf.dtype, device="meta"
+                )
+                done[id(leaf)] = meta.requires_grad_(leaf.requires_grad and floating)
+            else:
+                done[id(leaf)] = leaf.detach().to("cpu", copy=True)
+        return done[id(leaf)]
+
+    light_args = tuple(_mapped(arg, "", convert) for arg in args)
+    return light_args, {name: _mapped(value, name, convert) for name, value in kwargs.items()}
+
+
 def fake_like(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
     dtype = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
     fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device="cpu")
