@@ -188,3 +188,58 @@ def test_without_torch_s_mode_switch_integers_stay_fake(monkeypatch: pytest.Monk
     mask = 2 * 12 * 12 * 4  # (batch, 1, seq, seq) float32, saved by each learning layer
     assert fallback.saved_bytes == exact.saved_bytes + 3 * mask
     assert fallback.peak_bytes > exact.peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("keyword", "option"),
+    [("mastres", "masters"), ("depth", "depths"), ("optimiser", "optimizer"), ("Dtype", "dtype"),
+     ("torch_dtype", "dtype"), ("learning", "learn"), ("block", "blocks"), ("devices", "device")],
+)  # fmt: skip
+def test_a_misspelt_option_is_refused_with_the_option_it_resembles(
+    keyword: str, option: str
+) -> None:
+    """A transformers model takes any keyword (**kwargs) and drops what it does not know:
+    masters="fp32" misspelt planned no masters (213,804 optimizer bytes instead of 641,324)."""
+    model, batch, _ = llama()
+    model = model.to(torch.bfloat16)
+    ids = batch["input_ids"]
+    with pytest.raises(gg.InvalidOptionError) as error:
+        gg.estimate(model, ids, labels=ids, depths=[1], **{keyword: "fp32"})
+    message = str(error.value)
+    assert f"{keyword}=" in message and f"did you mean {option}=" in message, message
+    assert "forward" in message  # the rule: what the model's forward names goes to it
+
+
+class TakesADepth(nn.Module):
+    """A forward that names a keyword close to an option: it is the model's, and goes to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor, depth: int = 2, **kwargs: object) -> torch.Tensor:
+        return self.layers[:depth](x)
+
+
+def test_example_keywords_the_forward_names_go_to_the_model() -> None:
+    model, x = TakesADepth(), torch.randn(3, 4)
+    one = gg.estimate(model, x, depth=1, depths=[2])
+    two = gg.estimate(model, x, depths=[2])
+    assert one[2].grad_bytes < two[2].grad_bytes  # depth=1 ran one layer: it reached forward
+    with pytest.raises(gg.InvalidOptionError, match=r"mastres=.*did you mean masters="):
+        gg.estimate(model, x, mastres="fp32")  # **kwargs does not name it
+    llama_model, batch, _ = llama()
+    ids = batch["input_ids"]
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids)
+    plan = gg.estimate(llama_model, input_ids=ids, labels=ids, attention_mask=mask,
+                       position_ids=positions, use_cache=False, depths=[1])  # fmt: skip
+    assert plan[1].peak_bytes > 0
+
+
+@pytest.mark.parametrize("model", ["llama", "mlp"])
+def test_no_example_batch_asks_for_one(model: str) -> None:
+    net = llama()[0] if model == "llama" else nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(gg.EstimateError, match=r"give an example batch") as error:
+        gg.estimate(net)
+    assert type(net).__name__ in str(error.value)
+    assert isinstance(error.value.__cause__, (TypeError, ValueError))

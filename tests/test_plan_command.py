@@ -198,3 +198,164 @@ def test_unknown_model_types_and_missing_files_are_one_line(
     assert status != 0 and err.count("\n") == 1 and "missing.json" in err
     status, _, err = plan(tmp_path, capsys, LLAMA)
     assert status != 0 and "expected --seq S" in err
+
+
+def frozen_head_llama(tmp_path: Path, config: dict[str, Any] = LLAMA) -> Any:
+    model = meta_llama(tmp_path, config)
+    model.lm_head.requires_grad_(False)
+    return model
+
+
+def cells(row: gg.MemoryRow) -> list[str]:
+    """A row's cells as the table prints them, split on spaces."""
+    sizes = (row.param_bytes, row.grad_bytes, row.optimizer_bytes, row.saved_bytes,
+             row.other_bytes, row.peak_bytes)  # fmt: skip
+    return " ".join([*map(format_bytes, sizes), row.peak_phase or ""]).split()
+
+
+def test_learn_and_freeze_plan_what_the_api_plans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--learn 0 --learn 0,1 --freeze lm_head: the rows of gg.estimate(learn=[{0}, {0, 1}])
+    on the model with its head frozen, and the verdict says what learns in each."""
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    reference = gg.estimate(frozen_head_llama(tmp_path), input_ids=ids, labels=ids, dtype="bf16",
+                            learn=[{0}, {0, 1}], masters="fp32", device="cuda")  # fmt: skip
+    status, out, err = plan(tmp_path, capsys, LLAMA, "--seq", "16", "--learn", "0", "--learn",
+                            "0,1", "--freeze", "lm_head", "--masters", "fp32", "--memory",
+                            "1GiB")  # fmt: skip
+    assert (status, err) == (0, ""), err
+    table = rows(out)
+    assert list(table) == ["learn {0}", "learn {0, 1}", "full fine-tune"]
+    assert table["learn {0}"] == cells(reference[{0}])
+    assert table["learn {0, 1}"] == cells(reference[{0, 1}])
+    assert "frozen in every row: lm_head" in out
+    assert "full fine-tune: no cut, every parameter learns but the frozen ones" in out
+    how = "in 1GiB (peak + headroom: 512 MiB + 5% of the peak)"
+    assert f"learn {{0}} fits {how}: " in out
+    assert "where model.layers.0 and model.norm learn" in out
+    assert "where model.layers.0-1 and model.norm learn" in out
+    assert "where model.embed_tokens, model.layers.0-3 and model.norm learn" in out
+    assert "depth" not in out.split("frozen in every row")[1]  # no depth row was planned
+
+
+def test_badam_is_block_0_with_the_head_frozen_and_fp32_masters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, badam, err = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--badam")
+    assert (status, err) == (0, ""), err
+    assert "bfloat16, fp32 masters" in badam.splitlines()[0]
+    _, by_hand, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--learn", "0", "--freeze",
+                         "lm_head", "--masters", "fp32")  # fmt: skip
+    assert rows(badam) == rows(by_hand) and next(iter(rows(badam))) == "learn {0}"
+    _, without, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--badam", "--masters", "none")
+    assert "masters" not in without.splitlines()[0]
+    _, depths, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--badam", "--learn", "1",
+                        "--depths", "1")  # fmt: skip
+    assert list(rows(depths)) == ["1", "learn {1}", "full fine-tune"]
+    status, _, err = plan(tmp_path, capsys, {**LLAMA2, "torch_dtype": "float32"}, "--seq", "8",
+                          "--badam")  # fmt: skip
+    assert status == 1 and err.count("\n") == 1
+    assert "--badam plans float32 masters of low-precision weights, but the planned weights " \
+           "are float32" in err  # fmt: skip
+    assert "pass --dtype bf16" in err and "--masters none" in err and "dtype='" not in err
+
+
+@pytest.mark.slow
+def test_the_8b_badam_plan_of_full_finetune_md(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/full-finetune.md's table from the command line: Llama-3-8B, 1 x 2048, bf16 with
+    fp32 masters, checkpointing, block 0 learning and the head frozen: 20.88 GiB, as the API
+    plans it. About 25 s of CPU (the command's two rows, the API's one), more on a busy machine."""
+    import transformers
+
+    eight_b = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+               "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(eight_b))
+    status = cli.main(["plan", str(path), "--batch", "1", "--seq", "2048", "--memory", "24GiB",
+                       "--dtype", "bf16", "--checkpointing", "--badam"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, ""), err
+    table = rows(out)
+    assert " ".join(table["learn {0}"]) == (
+        "14.96 GiB 416.02 MiB 2.44 GiB 1.53 GiB 1.96 GiB 20.88 GiB backward"
+    )
+    assert "learn {0} fits in 24GiB (peak + headroom: 512 MiB + 5% of the peak): 22.42 GiB, " \
+           "where model.layers.0 and model.norm learn" in out  # fmt: skip
+    page = (Path(__file__).parents[1] / "docs" / "depth-fits.md").read_text(encoding="utf-8")
+    shown = page.split("--checkpointing --badam\n```\n\n```text\n")[1].split("```")[0]
+    assert out.strip() == shown.strip()  # the page shows what the command prints
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.lm_head.requires_grad_(False)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    api = gg.estimate(model.train(), input_ids=ids, labels=ids, learn=[{0}], masters="fp32")
+    assert table["learn {0}"] == cells(api.rows[0])
+
+
+def test_a_flag_means_only_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No abbreviations: --learn was --learn-embeddings, --check was --checkpointing."""
+    for flag in ("--learn-emb", "--check", "--mem=1GiB"):
+        status, _, err = plan(tmp_path, capsys, LLAMA2, "--seq", "8", flag)
+        assert status == 2 and f"unrecognized arguments: {flag}" in err, err
+    status, out, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--learn", "1")
+    assert status == 0 and list(rows(out)) == ["learn {1}", "full fine-tune"]
+    status = cli.main(["demo", "--epoch", "1"])
+    assert status == 2 and "unrecognized arguments: --epoch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "words", "status"),
+    [(["--dtype", "bfloat"], "argument --dtype: 'bfloat' is not a dtype; did you mean "
+      "bfloat16? expected bf16, fp16 or fp32", 2),
+     (["--dtype", "fp32", "--masters", "fp32"], "--masters fp32 keeps float32 masters of "
+      "low-precision weights, but the planned weights are float32 (--dtype fp32); pass --dtype "
+      "bf16 (or fp16) for bf16 weights with fp32 masters, or --amp bf16 without --masters", 1),
+     (["--depths", "0,99"], "--depths 99 is out of range: the model has 4 blocks; expected "
+      "depths in 0..4, e.g. --depths 0-4 or --depths all", 1),
+     (["--depths", "2-9"], "--depths 2-9 is out of range", 1),
+     (["--batch", "-1"], "argument --batch: '-1' is not a whole number >= 1; expected the "
+      "batch size, e.g. --batch 8", 2),
+     (["--seq", "0"], "argument --seq: '0' is not a whole number >= 1; expected the sequence "
+      "length, e.g. --seq 2048", 2),
+     (["--memory", "24 gigs"], "--memory '24 gigs' is not a size", 1),
+     (["--memory", "24GiB", "--headroom", "10%"], "--headroom '10%' is not a size", 1),
+     (["--learn", "0,9"], "--learn 0,9: block 9 is out of range: the model has 4 blocks; "
+      "expected positions 0..3", 1),
+     (["--learn", "0,model.nrom"], "--learn 0,model.nrom: 'model.nrom' matches no module of "
+      "LlamaForCausalLM; did you mean 'model.norm'?", 1),
+     (["--freeze", "lm_hed"], "--freeze 'lm_hed' matches no module of LlamaForCausalLM; did "
+      "you mean 'lm_head'?", 1),
+     (["--learn", "0,,1"], "argument --learn: '0,,1' has an empty item", 2)],
+    ids=["dtype", "masters", "depths", "depth-range", "batch", "seq", "memory", "headroom",
+         "learn-position", "learn-name", "freeze", "learn-empty"],
+)  # fmt: skip
+def test_errors_are_worded_as_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], words: str,
+    status: int,
+) -> None:  # fmt: skip
+    config = {**LLAMA, "torch_dtype": "float32"} if "--masters" in options else LLAMA
+    if "--batch" in options:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        found = cli.main(["plan", str(path), "--seq", "8", *options])
+        err = capsys.readouterr().err
+    else:
+        found, _, err = plan(tmp_path, capsys, config, "--seq", "8", *options)
+    assert found == status and err.count("\n") == 1, err
+    assert words in err, err
+    assert "gg." not in err and "='" not in err and "e.g. 2048" not in err.replace("--seq", "")
+
+
+def test_seq_on_a_vision_config_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.warns(gg.GradgateWarning, match=r"--seq 128 is ignored: a vision config takes "
+                      r"its image size from the config \(image_size=32\)"):  # fmt: skip
+        status, with_seq, _ = plan(tmp_path, capsys, VIT, "--seq", "128", "--depths", "2")
+    _, without, _ = plan(tmp_path, capsys, VIT, "--depths", "2")
+    assert status == 0 and with_seq == without

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 from . import _bench, _demo
 from ._memory import plan_command as _plan_command
@@ -24,7 +24,12 @@ _EXTRA_OF = {"sklearn": "demo", "matplotlib": "demo", "tqdm": "demo", "transform
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: what is wrong, and where help is."""
+    """An argument parser whose errors are one line: what is wrong, and where help is; a flag
+    means only itself (no abbreviations: ``--learn`` is never ``--learn-embeddings``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")

@@ -7,7 +7,8 @@ per row), ``counter`` (the live bytes of every storage), ``replay`` (blocks befo
 once), ``memory_plan`` (``MemoryPlan`` and ``MemoryRow``, the result: ``fits``, text, JSON,
 HTML), ``budget`` (a row's peak plus headroom, sizes, the depths planned around a budget),
 ``configs`` and ``plan_command`` (``gradgate plan``: a transformers config planned on
-the meta device).
+the meta device), ``learners`` (its ``--learn`` and ``--freeze``, and what learns in a row, in
+words).
 
 May import: ``_plumbing``, ``_select``, ``_cut``, ``_tools``; not ``_observe``, the other half
 of this layer. ``masters="fp32"`` plans by running ``LearnerMasters`` (``_tools/masters``).

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from .._plumbing.errors import InvalidOptionError
 
-if TYPE_CHECKING:
-    from .memory_plan import MemoryRow
+
+class Peaked(Protocol):
+    """A planned row, as far as the budget is concerned (a ``MemoryRow``)."""
+
+    @property
+    def peak_bytes(self) -> int: ...
+
+
+Row = TypeVar("Row", bound=Peaked)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -29,7 +36,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 HEADROOM = {"cuda": (512 * 2**20, 0.05), "cpu": (0, 0.05)}
 
 
-def needed_bytes(row: MemoryRow, device: str, headroom: int | None = None) -> int:
+def needed_bytes(row: Peaked, device: str, headroom: int | None = None) -> int:
     """What ``row`` needs on ``device``: its peak plus ``headroom`` bytes, by default the
     device's (:func:`default_headroom`)."""
     room = default_headroom(row.peak_bytes, device) if headroom is None else headroom
@@ -69,10 +76,10 @@ def parse_bytes(size: object, what: str = "memory budget") -> int:
 
 
 def plan_around(
-    rows: MutableMapping[int, MemoryRow],
-    plan_row: Callable[[int], MemoryRow],
+    rows: MutableMapping[int, Row],
+    plan_row: Callable[[int], Row],
     blocks: int,
-    fits: Callable[[MemoryRow], bool],
+    fits: Callable[[Row], bool],
 ) -> None:
     """Add to ``rows`` (by depth) the depths that decide the largest one that ``fits``: depth 0
     if missing, then, by halving the gap between the largest planned depth that fits and the

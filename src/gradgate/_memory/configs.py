@@ -172,3 +172,12 @@ def embedding_names(model: nn.Module) -> list[str]:
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if callable(get) else None
     return [name for name, module in model.named_modules() if module is embedding][:1]
+
+
+def head_names(model: nn.Module) -> list[str]:
+    """The output embedding's module name (the LM head ``--badam`` freezes), if there is one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return []
+    return [name for name, module in model.named_modules() if module is head][:1]

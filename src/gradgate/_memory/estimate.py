@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -47,6 +48,7 @@ from .options import (
     dtype_option,
     learn_option,
     masters_option,
+    misspelt_options,
     nothing_to_plan,
     optimizer_option,
 )
@@ -85,6 +87,12 @@ def estimate(
     mode (train or eval) the model is in. ``blocks`` names the block sequence as for
     :class:`BackpropGate`. The model itself is never changed.
 
+    The example batch is ``example_args`` and every keyword ``estimate`` does not take, passed
+    to the forward as they are. A keyword that reads as one of the options above misspelt
+    (``mastres=``, ``depth=``, ``torch_dtype=``: case ignored, difflib ratio 0.75 or more) is
+    refused with the option it resembles, unless the forward names it as a parameter: a forward
+    with ``**kwargs`` (every transformers model) would drop it without a word.
+
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     >>> plan = gg.estimate(net, torch.randn(64, 512))
@@ -97,6 +105,8 @@ def estimate(
     >>> plan[8].peak_phase
     'step'
     """
+    check_module(model)
+    misspelt_options(example_kwargs, unwrap_compiled(model), _OPTIONS)
     learn_sets, chosen = learn_option(learn), depths_shape(depths)
     with StepPlanner(
         model,
@@ -117,6 +127,13 @@ def estimate(
             raise nothing_to_plan(chosen)
         rows = [planner.row(plan) for plan in plans]
     return planner.result(rows)
+
+
+_OPTIONS = [
+    parameter.name
+    for parameter in inspect.signature(estimate).parameters.values()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+]
 
 
 class StepPlanner:
@@ -155,6 +172,7 @@ class StepPlanner:
         self._replay = replay
         self._stack = contextlib.ExitStack()
         self.blocks = 0
+        self.block_names: list[str] = []
 
     def __enter__(self) -> StepPlanner:
         mode = fake_tensor_mode()
@@ -169,7 +187,7 @@ class StepPlanner:
             replay = PrefixReplay(_blocks_of(twin, self._blocks)) if self._replay else None
             gate = BackpropGate(twin, self._blocks)
             stack.callback(gate.remove)
-            self.blocks = len(gate.blocks)
+            self.blocks, self.block_names = len(gate.blocks), list(gate.blocks)
             self._simulator = StepSimulator(
                 twin, gate, (fake_args, fake_kwargs), self._options, limit, replay
             )
@@ -187,11 +205,18 @@ class StepPlanner:
         self._stack.__exit__(kind, error, traceback)
 
     def row(self, plan: Plan) -> MemoryRow:
-        """Simulate one step with ``plan``; a forward that needs tensor values is explained."""
+        """Simulate one step with ``plan``; a forward that needs tensor values, or one that
+        failed with no example batch at all, is explained."""
         try:
             figures = self._simulator.run(plan)
         except value_dependent_errors() as error:
             raise _needs_values(self._model, error) from error
+        except GradgateError:
+            raise
+        except Exception as error:
+            if self._inputs != ((), {}):
+                raise
+            raise _no_batch(self._model, error) from error
         return MemoryRow(
             depth=plan if isinstance(plan, int) else None,
             learn=plan if isinstance(plan, frozenset) else None,
@@ -203,6 +228,17 @@ class StepPlanner:
             other_bytes=figures.other_bytes,
             peak_phase=figures.peak_phase,
         )
+
+    @property
+    def learners(self) -> tuple[str, ...]:
+        """The parameters (qualified names, each tied one once) that got a gradient in the
+        last row planned."""
+        return self._simulator.learners
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """The parameters that require grad (qualified names, each tied one once)."""
+        return self._simulator.trainable
 
     def replanner(self) -> Replanner:
         """What plans more rows later (:meth:`MemoryPlan.fits`): a context manager that opens a
@@ -261,6 +297,16 @@ def _blocks_of(twin: nn.Module, blocks: Sequence[Pattern] | str | None) -> list[
         return [module for _, module in resolve_blocks(twin, blocks)]
     except GradgateError:
         return []
+
+
+def _no_batch(model: nn.Module, error: Exception) -> EstimateError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return EstimateError(
+        f"gg.estimate({type(model).__name__}) was given no example batch, and the forward "
+        f"failed without one ({first}); give an example batch, as the step you plan gets it: "
+        "gg.estimate(model, x), or for a transformers model gg.estimate(model, "
+        "input_ids=ids, labels=ids) (meta tensors are enough: only shapes are read)."
+    )
 
 
 def _needs_values(model: nn.Module, error: Exception) -> EstimateError:

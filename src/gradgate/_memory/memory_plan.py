@@ -119,6 +119,7 @@ class MemoryPlan:
         self.masters = masters
         self.device = device
         self.labels: dict[MemoryRow, str] = {}  # a row's name in the table, if not its label
+        self.notes: list[str] = []  # lines under the table, after the plan's own
         self._replanner: Replanner | None = None  # plans more depths (fits), set by the planner
 
     def __getitem__(self, key: int | Iterable[int | str]) -> MemoryRow:
@@ -217,9 +218,10 @@ class MemoryPlan:
             notes.append(
                 "all blocks: what runs before the first block (the embeddings) stays frozen"
             )
-        if "full fine-tune" in labels:
+        own = any(note.startswith("full fine-tune:") for note in self.notes)
+        if "full fine-tune" in labels and not own:
             notes.append("full fine-tune: no cut, every parameter learns, embeddings included")
-        return notes
+        return [*notes, *self.notes]
 
     def _title(self) -> str:
         how = [f"{self.blocks} blocks", self.dtype]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import difflib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -28,8 +30,12 @@ _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
 }  # fmt: skip
-_LOW = (torch.bfloat16, torch.float16)
+DTYPES = tuple(_DTYPES)
+LOW = (torch.bfloat16, torch.float16)  # the dtypes masters are for
 LearnSet = Iterable[int | str]
+# other names for estimate's options, too far from them for a ratio to catch
+_ALIASES = {"torch_dtype": "dtype", "optim": "optimizer", "autocast": "amp"}
+_CLOSE = 0.75  # difflib's ratio from which a keyword reads as a misspelt option
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,38 @@ class StepOptions:
     @property
     def fused(self) -> bool:
         return "fused" in _OPTIMIZERS[self.optimizer][1]
+
+
+def misspelt_options(kwargs: dict[str, Any], model: nn.Module, options: Sequence[str]) -> None:
+    """Refuse an example keyword that reads as one of ``options`` misspelt (``mastres=``,
+    ``depth=``, ``torch_dtype=``) unless the model's ``forward`` names it as a parameter: a
+    forward that takes ``**kwargs`` (every transformers model) would drop it without a word."""
+    named = _forward_parameters(model)
+    for keyword in kwargs:
+        if keyword in named:
+            continue
+        lower = keyword.lower()
+        close = _ALIASES.get(lower) or next(
+            iter(difflib.get_close_matches(lower, options, n=1, cutoff=_CLOSE)), None
+        )
+        if close is not None:
+            raise InvalidOptionError(
+                f"gg.estimate(..., {keyword}=...): did you mean {close}=? {keyword!r} is not an "
+                "option of gg.estimate, and keywords it does not take go to the model's forward "
+                f"as part of the example batch, but {type(model).__name__}.forward does not "
+                f"name {keyword!r} as a parameter (a forward with **kwargs, as in transformers, "
+                f"drops what it does not know). Pass {close}=..., or, if {keyword!r} is the "
+                "model's, name it in its forward's signature."
+            )
+
+
+def _forward_parameters(model: nn.Module) -> set[str]:
+    """The parameter names ``model.forward`` declares (``**kwargs`` names none)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 def optimizer_option(optimizer: object) -> str:
@@ -83,7 +121,7 @@ def amp_option(amp: object) -> torch.dtype | None:
         return None
     name = amp.lower().removeprefix("torch.") if isinstance(amp, str) else None
     found = _DTYPES.get(name) if name is not None else amp
-    if found not in _LOW:
+    if found not in LOW:
         raise InvalidOptionError(
             f"gg.estimate(amp={amp!r}) is not an autocast dtype; expected None (no autocast), "
             "'bf16' or 'fp16': the forward runs under torch.autocast in that dtype, the weights "
@@ -101,8 +139,8 @@ def masters_option(masters: object, model: nn.Module, cast: torch.dtype | None) 
             f"gg.estimate(masters={masters!r}) is not a master dtype; expected None or 'fp32' "
             "(float32 copies of the learning parameters, kept by gg.optim.LearnerMasters)."
         )
-    dtype = cast or _parameter_dtype(model)
-    if dtype not in _LOW:
+    dtype = cast or parameter_dtype(model)
+    if dtype not in LOW:
         raise InvalidOptionError(
             f"gg.estimate(masters={masters!r}) keeps float32 masters of low-precision "
             f"parameters, but the planned parameters are {str(dtype).removeprefix('torch.')}; "
@@ -127,13 +165,13 @@ def device_option(device: object, model: nn.Module) -> str:
     return str(kind)
 
 
-def _parameter_dtype(model: nn.Module) -> torch.dtype:
+def parameter_dtype(model: nn.Module) -> torch.dtype:
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return floating[0] if floating else torch.get_default_dtype()
 
 
 def dtype_name(model: nn.Module, cast: torch.dtype | None) -> str:
-    return str(cast or _parameter_dtype(model)).removeprefix("torch.")
+    return str(cast or parameter_dtype(model)).removeprefix("torch.")
 
 
 def learn_option(learn: object) -> list[frozenset[int | str]]:

@@ -1,32 +1,41 @@
-"""``gradgate plan CONFIG.json --batch B --seq S``: memory per depth of a transformers config,
-built on the ``meta`` device (no weights, no download) and planned as :func:`gradgate.estimate`
-plans, for CUDA. With ``--memory``, every depth around the budget is planned, so that the
-answer is the largest depth that fits, not only one of 0, 1, 2, 4, ...
+"""``gradgate plan CONFIG.json --batch B --seq S``: memory per depth (or learning set) of a
+transformers config, built on the ``meta`` device (no weights, no download) and planned as
+:func:`gradgate.estimate` plans, for CUDA. With ``--memory``, every depth around the budget is
+planned, so that the answer is the largest depth that fits, not only one of 0, 1, 2, 4, ...;
+``--learn``, ``--freeze`` and ``--badam`` plan what the API's ``learn=`` and a frozen module
+plan. Errors and warnings speak in flags (``--dtype bf16``), not in Python keywords.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import difflib
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._plumbing.errors import GradgateWarning, InvalidDepthError, InvalidOptionError
 from .budget import needed_bytes, parse_bytes, plan_around
 from .configs import (
     check_seq,
     default_blocks,
     embedding_names,
     example_inputs,
+    head_names,
+    is_vision,
     meta_model,
     quiet_transformers,
     read_config,
 )
+from .learners import freeze_patterns, learn_sets, learn_text, learning_text
 from .memory_plan import MemoryPlan, MemoryRow, format_bytes
-from .options import OPTIMIZERS, default_depths
+from .options import DTYPES, LOW, OPTIMIZERS, default_depths, dtype_option, parameter_dtype
 
 if TYPE_CHECKING:
     from .estimate import StepPlanner
+
+Depths = list[tuple[str, int, int]] | str  # (as typed, first, last) ranges, or "all"
 
 
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,22 +44,25 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "plan",
         help="memory per depth of a transformers config, and the largest depth that fits",
         description="Plan the memory of one training step per depth (the last k blocks "
-        "learn) for a transformers config file: the model is built on the meta device, so "
-        "a 70B config is planned on a laptop. The whole step is simulated (forward with the "
-        "loss, backward, optimizer step), for a CUDA device. Decoder-only, encoder-decoder and "
-        'vision configs. Needs transformers: pip install "gradgate[bench]".',
+        "learn) or per learning set for a transformers config file: the model is built on "
+        "the meta device, so a 70B config is planned on a laptop. The whole step is simulated "
+        "(forward with the loss, backward, optimizer step), for a CUDA device. Decoder-only, "
+        'encoder-decoder and vision configs. Needs transformers: pip install "gradgate[bench]".',
+        allow_abbrev=False,  # a flag means only itself: --learn is never --learn-embeddings
     )
     parser.add_argument("config", type=Path, metavar="CONFIG.json", help="a config.json file")
     parser.add_argument(
-        "--batch", type=_positive_int, required=True, metavar="B", help="batch size"
-    )
+        "--batch", type=_whole("--batch", "batch size", 8), required=True, metavar="B",
+        help="batch size",
+    )  # fmt: skip
     parser.add_argument(
-        "--seq", type=_positive_int, metavar="S", help="sequence length (text models)"
-    )
+        "--seq", type=_whole("--seq", "sequence length", 2048), metavar="S",
+        help="sequence length (text models; a vision config takes its image size)",
+    )  # fmt: skip
     parser.add_argument(
         "--memory",
         metavar="SIZE",
-        help="memory budget, e.g. 24GiB: plan the depths around it, print the largest that fits",
+        help="memory budget, e.g. 24GiB: plan the depths around it, print what fits",
     )
     parser.add_argument(
         "--headroom",
@@ -60,8 +72,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument(
         "--dtype",
+        type=_dtype_text,
         metavar="DTYPE",
-        help="parameter dtype, e.g. bf16 (default: the config's, else fp32)",
+        help="parameter dtype: bf16, fp16 or fp32 (default: the config's, else fp32)",
     )
     precision.add_argument(
         "--amp",
@@ -70,8 +83,9 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument(
         "--masters",
-        choices=("fp32",),
-        help="fp32 masters and optimizer state for the learners only (gg.optim.LearnerMasters)",
+        choices=("fp32", "none"),
+        help="fp32: fp32 masters and optimizer state for the learners only "
+        "(gg.optim.LearnerMasters); none: no masters (the default, but with --badam)",
     )
     parser.add_argument(
         "--optimizer", choices=OPTIMIZERS, default="adamw", help="the optimizer (default: adamw)"
@@ -80,12 +94,35 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--depths",
         type=_depths_text,
         metavar="LIST",
-        help="depths to plan: 0,1,2,8 or ranges 0-4,8 or all (default: 0, 1, 2, 4, ... all)",
+        help="depths to plan: 0,1,2,8 or ranges 0-4,8 or all (default: 0, 1, 2, 4, ... all; "
+        "none with --learn or --badam)",
+    )
+    parser.add_argument(
+        "--learn",
+        action="append",
+        type=learn_text,
+        metavar="SET",
+        help="a row where these learn: block positions, ranges and module names or globs, "
+        "e.g. --learn 0 --learn 0,1 --learn 2-5,model.embed_tokens (one row each, as "
+        "gg.estimate(learn=[...]); what runs after the blocks learns too, unless frozen)",
     )
     parser.add_argument(
         "--learn-embeddings",
         action="store_true",
-        help="the input embeddings learn too, at every depth",
+        help="the input embeddings learn too, in every row",
+    )
+    parser.add_argument(
+        "--freeze",
+        action="extend",
+        nargs="+",
+        metavar="PATTERN",
+        help="modules frozen in every row (names or globs), e.g. --freeze lm_head",
+    )
+    parser.add_argument(
+        "--badam",
+        action="store_true",
+        help="BAdam: one block learns at a time (a row with block 0, the deepest backward, "
+        "unless --learn gives others), the LM head frozen, --masters fp32 unless given",
     )
     parser.add_argument(
         "--checkpointing",
@@ -102,18 +139,37 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.set_defaults(run=_run_command)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1, e.g. 2048")
-    return value
+def _whole(flag: str, what: str, example: int) -> Any:
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number >= 1; expected the {what}, e.g. {flag} {example}"
+            )
+        return value
+
+    return whole
 
 
-def _depths_text(text: str) -> list[tuple[int, int]] | str:
-    """``"all"``, or ``0,1,2`` / ``0-4,8`` as inclusive (first, last) ranges."""
+def _dtype_text(text: str) -> str:
+    name = text.strip().lower().removeprefix("torch.")
+    if name not in DTYPES:
+        close = [n for n in DTYPES if n.startswith(name)] or difflib.get_close_matches(
+            name, DTYPES, n=1
+        )
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype; {hint}expected bf16, fp16 or fp32 (or bfloat16, "
+            "float16, float32), e.g. --dtype bf16"
+        )
+    return name
+
+
+def _depths_text(text: str) -> Depths:
+    """``"all"``, or ``0,1,2`` / ``0-4,8`` as inclusive ranges, each with its text."""
     if text.strip() == "all":
         return "all"
     ranges = []
@@ -123,14 +179,14 @@ def _depths_text(text: str) -> list[tuple[int, int]] | str:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a list of depths; expected e.g. 0,1,2,8 or 0-4,8 or all"
             )
-        ranges.append((int(first), int(last or first)))
+        ranges.append((part.strip(), int(first), int(last or first)))
     return ranges
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    budget = None if args.memory is None else parse_bytes(args.memory)
-    headroom = None if args.headroom is None else parse_bytes(args.headroom)
-    plan = plan_config(
+    budget = None if args.memory is None else parse_bytes(args.memory, "--memory")
+    headroom = None if args.headroom is None else parse_bytes(args.headroom, "--headroom")
+    found = plan_config(
         args.config,
         batch=args.batch,
         seq=args.seq,
@@ -139,16 +195,29 @@ def _run_command(args: argparse.Namespace) -> int:
         masters=args.masters,
         optimizer=args.optimizer,
         depths=args.depths,
+        learn=args.learn,
         learn_embeddings=args.learn_embeddings,
+        freeze=args.freeze,
+        badam=args.badam,
         checkpointing=args.checkpointing,
         blocks=args.blocks,
         budget=budget,
         headroom=headroom,
     )
-    print(plan.table())
+    print(found.plan.table())
     if budget is not None:
-        print(verdict(plan, args.memory, budget, headroom))
+        print(verdict(found, args.memory, budget, headroom))
     return 0
+
+
+@dataclass
+class ConfigPlan:
+    """What ``gradgate plan`` planned: the plan, the depth each depth row stands for (with
+    ``--learn-embeddings`` they are learning sets), and what learns in each row, in words."""
+
+    plan: MemoryPlan
+    depths: dict[MemoryRow, int] = field(default_factory=dict)
+    learning: dict[MemoryRow, str] = field(default_factory=dict)
 
 
 def plan_config(
@@ -160,17 +229,24 @@ def plan_config(
     amp: str | None = None,
     masters: str | None = None,
     optimizer: str = "adamw",
-    depths: list[tuple[int, int]] | str | None = None,
+    depths: Depths | None = None,
+    learn: list[tuple[str, list[int | str]]] | None = None,
     learn_embeddings: bool = False,
+    freeze: list[str] | None = None,
+    badam: bool = False,
     checkpointing: bool = False,
     blocks: list[str] | None = None,
     budget: int | None = None,
     headroom: int | None = None,
-) -> MemoryPlan:
+) -> ConfigPlan:
     """Build the config's model on the meta device and plan it for ``batch`` x ``seq``: the
-    depths asked (with a budget, also every depth around it), then a full fine-tune."""
+    depths asked (with a budget, also every depth around it), the learning sets asked, then a
+    full fine-tune."""
     from .estimate import StepPlanner  # the planner loads torch: on first use
 
+    if badam and masters is None and amp is None:
+        masters = "fp32"  # BAdam's recipe: low-precision weights, fp32 masters for one block
+    masters = None if masters == "none" else masters
     if amp is not None and masters is not None:
         raise InvalidOptionError(
             "--masters fp32 keeps float32 masters of low-precision weights, and --amp keeps "
@@ -178,15 +254,25 @@ def plan_config(
         )
     with quiet_transformers():
         config = read_config(path)
+        if seq is not None and is_vision(config):
+            warnings.warn(
+                f"--seq {seq} is ignored: a vision config takes its image size from the config "
+                f"(image_size={config.image_size}), not from --seq.",
+                GradgateWarning,
+                stacklevel=2,
+            )
         check_seq(config, seq)
         model = meta_model(config, checkpointing=checkpointing)
+        weights = "fp32" if amp else dtype or _config_dtype(config)  # autocast: fp32 weights
+        _check_masters(model, weights, masters, badam)
+        frozen = freeze_patterns(model, [*(freeze or []), *(head_names(model) if badam else [])])
         inputs = example_inputs(model, config, batch, seq)
         planner = StepPlanner(
             model,
             (),
             inputs,
             optimizer=optimizer,
-            dtype="fp32" if amp else dtype or _config_dtype(config),  # autocast: fp32 weights
+            dtype=weights,
             amp=amp,
             masters=masters,
             device="cuda",
@@ -194,58 +280,96 @@ def plan_config(
         )
         with planner:
             extra = embedding_names(model) if learn_embeddings else []
-            fits = None if budget is None else _fits(budget, headroom)
-            rows = _depth_rows(planner, depths, extra, fits)
-            full = planner.row(None)
-    plan = planner.result([rows[depth] for depth in sorted(rows)] + [full])
-    for depth, found in rows.items():
-        if extra:
-            shown = f"{depth} (all blocks)" if depth == planner.blocks else str(depth)
-            plan.labels[found] = f"{shown} + embeddings"
-    return plan
+            sets = learn_sets(model, planner.block_names, learn or [], badam)
+            found = _plan_rows(planner, depths, sets, extra, budget, headroom)
+    found.plan.notes += _frozen_notes(frozen)
+    return found
 
 
-def _depth_rows(
+def _check_masters(model: Any, weights: str | None, masters: str | None, badam: bool) -> None:
+    """``--masters fp32`` over low-precision weights only, said in flags."""
+    planned = dtype_option(weights) or parameter_dtype(model)
+    if masters is None or planned in LOW:
+        return
+    name = str(planned).removeprefix("torch.")
+    why = "--badam plans" if badam else "--masters fp32 keeps"
+    raise InvalidOptionError(
+        f"{why} float32 masters of low-precision weights, but the planned weights are {name} "
+        f"({'--dtype ' + weights if weights else 'the config gives no dtype'}); pass --dtype "
+        "bf16 (or fp16) for bf16 weights with fp32 masters, or --amp bf16 without --masters "
+        f"for {name} weights under autocast{', or --masters none' if badam else ''}."
+    )
+
+
+def _plan_rows(
     planner: StepPlanner,
-    depths: list[tuple[int, int]] | str | None,
+    depths: Depths | None,
+    sets: list[frozenset[int | str]],
     extra: list[str],
-    fits: Callable[[MemoryRow], bool] | None,
-) -> dict[int, MemoryRow]:
-    """The rows asked for, by depth; with ``fits``, also those around the budget."""
-    n = planner.blocks
+    budget: int | None,
+    headroom: int | None,
+) -> ConfigPlan:
+    """Plan the depths asked for (with a budget, also those around it), the learning sets and
+    a full fine-tune; note what learns in each."""
+    n, learning = planner.blocks, {}
+    trainable = planner.trainable
 
-    def row(depth: int) -> MemoryRow:
+    def planned(plan: int | frozenset[int | str] | None) -> MemoryRow:
+        row = planner.row(plan)
+        learning[row] = learning_text(planner.learners, trainable, planner.block_names)
+        return row
+
+    def depth_row(depth: int) -> MemoryRow:
         if not extra:
-            return planner.row(depth)
-        return planner.row(frozenset([*range(n - depth, n), *extra]))
+            return planned(depth)
+        return planned(frozenset([*range(n - depth, n), *extra]))
 
-    rows = {depth: row(depth) for depth in _chosen(depths, n)}
-    if fits is not None:
-        plan_around(rows, row, n, fits)
-    return rows
+    by_depth: dict[int, MemoryRow] = {}
+    if depths is not None or not sets:
+        by_depth = {depth: depth_row(depth) for depth in _chosen(depths, n)}
+    if budget is not None and by_depth:
+
+        def fits(row: MemoryRow) -> bool:
+            return needed_bytes(row, "cuda", headroom) <= budget
+
+        plan_around(by_depth, depth_row, n, fits)
+    set_rows = [planned(frozenset([*items, *extra])) for items in sets]
+    full = planned(None)
+    plan = planner.result([*(by_depth[d] for d in sorted(by_depth)), *set_rows, full])
+    for depth, row in by_depth.items():
+        if extra:
+            shown = f"{depth} (all blocks)" if depth == n else str(depth)
+            plan.labels[row] = f"{shown} + embeddings"
+    for row in set_rows:
+        if extra:
+            plan.labels[row] = f"{row.label} + embeddings"
+    depth_of = {row: depth for depth, row in by_depth.items()}
+    return ConfigPlan(plan, depth_of, learning)
 
 
-def _fits(budget: int, headroom: int | None) -> Callable[[MemoryRow], bool]:
-    def fits(row: MemoryRow) -> bool:
-        return needed_bytes(row, "cuda", headroom) <= budget
-
-    return fits
-
-
-def _chosen(depths: list[tuple[int, int]] | str | None, n: int) -> list[int]:
+def _chosen(depths: Depths | None, n: int) -> list[int]:
     if depths is None:
         return default_depths(n)
     if isinstance(depths, str):  # "all"
         return list(range(n + 1))
     chosen: list[int] = []
-    for first, last in depths:
+    for text, first, last in depths:
         if not 0 <= first <= last <= n:
             raise InvalidDepthError(
-                f"--depths {first}-{last} is out of range: the model has {n} blocks; "
-                f"expected depths in 0..{n}, e.g. --depths 0-{n} or --depths all."
+                f"--depths {text} is out of range: the model has {n} blocks; expected depths "
+                f"in 0..{n}, e.g. --depths 0-{n} or --depths all."
             )
         chosen += range(first, last + 1)
     return sorted(set(chosen))
+
+
+def _frozen_notes(frozen: list[str]) -> list[str]:
+    if not frozen:
+        return []
+    return [
+        "full fine-tune: no cut, every parameter learns but the frozen ones, embeddings included",
+        f"frozen in every row: {', '.join(frozen)}",
+    ]
 
 
 def _config_dtype(config: Any) -> str | None:
@@ -253,38 +377,44 @@ def _config_dtype(config: Any) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def verdict(plan: MemoryPlan, text: str, budget: int, headroom: int | None = None) -> str:
-    """The answer to ``--memory``: the largest depth that fits, the full fine-tune's fate."""
-    rows = [row for row in plan.rows if row.depth is not None or row.learn is not None]
-    full = [row for row in plan.rows if row.depth is None and row.learn is None]
+def verdict(found: ConfigPlan, text: str, budget: int, headroom: int | None = None) -> str:
+    """The answer to ``--memory``: the largest depth that fits, each learning set's fate, the
+    full fine-tune's; each with what learns in it."""
+    plan = found.plan
 
     def needs(row: MemoryRow) -> int:
         return needed_bytes(row, plan.device, headroom)
 
-    fitting = [row for row in rows if needs(row) <= budget]
+    def where(row: MemoryRow) -> str:
+        return f", where {found.learning[row]} learn" if row in found.learning else ""
+
     how = (
         "peak + headroom: 512 MiB + 5% of the peak"
         if headroom is None
-        else (f"peak + headroom {format_bytes(headroom)}")
+        else f"peak + headroom {format_bytes(headroom)}"
     )
+    lines = []
+    depth_rows = list(found.depths)
+    fitting = [row for row in depth_rows if needs(row) <= budget]
     if fitting:
-        best = max(fitting, key=lambda row: _depth(plan, row))
-        best_row = f"{_depth(plan, best)} ({format_bytes(needs(best))})"
-        answer = f"largest depth that fits in {text} ({how}): {best_row}"
-    else:
-        smallest = min(rows, key=lambda row: row.peak_bytes)
-        answer = (
-            f"no depth fits in {text} ({how}): the smallest is "
-            f"{format_bytes(needs(smallest))} (depth {_depth(plan, smallest)})"
+        best = max(fitting, key=lambda row: found.depths[row])
+        lines.append(
+            f"largest depth that fits in {text} ({how}): {found.depths[best]} "
+            f"({format_bytes(needs(best))}){where(best)}"
         )
-    for row in full:
+    elif depth_rows:
+        smallest = min(depth_rows, key=lambda row: row.peak_bytes)
+        lines.append(
+            f"no depth fits in {text} ({how}): the smallest is {format_bytes(needs(smallest))} "
+            f"(depth {found.depths[smallest]}{where(smallest)})"
+        )
+    for row in plan.rows:
+        if row in found.depths:
+            continue
         fate = "fits" if needs(row) <= budget else "does not fit"
-        answer += f"\na full fine-tune {fate} ({format_bytes(needs(row))})"
-    return answer
-
-
-def _depth(plan: MemoryPlan, row: MemoryRow) -> int:
-    if row.depth is not None:
-        return row.depth
-    learn = row.learn or frozenset()
-    return sum(isinstance(item, int) for item in learn)
+        if row.learn is None:
+            lines.append(f"a full fine-tune {fate} ({format_bytes(needs(row))}){where(row)}")
+        else:
+            name = plan.labels.get(row, row.label)
+            lines.append(f"{name} {fate} in {text} ({how}): {format_bytes(needs(row))}{where(row)}")
+    return "\n".join(lines)

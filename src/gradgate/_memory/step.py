@@ -66,6 +66,9 @@ class StepSimulator:
         self._inputs = tensors_in((self._args, self._kwargs))
         self._model_storages = {_storage(t) for t in self._model_tensors}
         self.param_bytes = sum(p.nbytes for p in self._params)
+        self._names = {id(p): name for name, p in twin.named_parameters()}
+        self.trainable = tuple(n for n, p in twin.named_parameters() if p.requires_grad)
+        self.learners: tuple[str, ...] = ()  # the last row's parameters that got a gradient
 
     def run(self, plan: Plan) -> Figures:
         """Set the gate to ``plan`` and simulate one step."""
@@ -107,6 +110,7 @@ class StepSimulator:
             loss.backward()
         del loss
         learners = [p for p in learnable if p.grad is not None]
+        self.learners = tuple(self._names[id(p)] for p in learners)
         grad_bytes = sum(p.grad.nbytes for p in learners if p.grad is not None)
         state_bytes, made = 0, (0, 0)
         if learnable:

@@ -74,7 +74,8 @@ class NoGraphError(GradgateError):
 
 
 class EstimateError(GradgateError):
-    """:func:`estimate` cannot plan a model whose forward needs tensor values."""
+    """:func:`estimate` cannot plan the model as given: its forward needs tensor values, or no
+    example batch was given."""
 
 
 class ExplainedError(GradgateError):
