@@ -5,6 +5,7 @@ copy of the model ``gg.estimate`` took), and join ``plan.rows``."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -100,3 +101,22 @@ def test_a_bad_headroom_is_named_as_the_headroom(headroom: object, shown: str) -
     assert shown in str(error.value) and "budget" not in str(error.value)
     with pytest.raises(gg.InvalidOptionError, match=r"^memory budget '24 gigs' is not a size"):
         plan.fits("24 gigs")
+
+
+def test_a_pickled_plan_still_plans_more_depths() -> None:
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    x = torch.randn(4, 32)
+    every = gg.estimate(net, x, depths=range(7))
+    plan = pickle.loads(pickle.dumps(gg.estimate(net, x, depths=[0, 6])))
+    assert plan.fits(every[3].peak_bytes, headroom=0) == 3
+    assert plan[3] == every[3]
+
+
+def test_a_plan_that_cannot_plan_more_says_its_answer_is_among_its_rows() -> None:
+    plan = gg.estimate(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), torch.randn(2, 8))
+    hand_made = gg.MemoryPlan("Net", [plan[0], plan[4]], optimizer="adamw", dtype="float32",
+                              blocks=4)  # fmt: skip
+    with pytest.warns(gg.GradgateWarning, match=r"among the planned depths \[0, 4\] only.*"
+                      r"one of depths 1\.\.3, which were not planned"):  # fmt: skip
+        assert hand_made.fits(plan[4].peak_bytes - 1, headroom=0) == 0
+    assert hand_made.fits(plan[4].peak_bytes, headroom=0) == 4  # settled: no warning

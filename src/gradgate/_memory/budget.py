@@ -88,11 +88,20 @@ def plan_around(
     activations), so the largest depth that fits is then in ``rows``."""
     if 0 not in rows:
         rows[0] = plan_row(0)
-    low = max((depth for depth, row in rows.items() if fits(row)), default=-1)
-    high = min(
-        (depth for depth in rows if depth > low and not fits(rows[depth])), default=blocks + 1
-    )
+    low, high = unsettled(rows, blocks, fits)
     while high - low > 1:
         middle = (low + high) // 2
         rows[middle] = found = plan_row(middle)
         low, high = (middle, high) if fits(found) else (low, middle)
+
+
+def unsettled(
+    rows: MutableMapping[int, Row], blocks: int, fits: Callable[[Row], bool]
+) -> tuple[int, int]:
+    """The largest planned depth that fits (-1: none) and the next planned depth that does not
+    (``blocks + 1``: none); the answer is settled when they are neighbours."""
+    low = max((depth for depth, row in rows.items() if fits(row)), default=-1)
+    high = min(
+        (depth for depth in rows if depth > low and not fits(rows[depth])), default=blocks + 1
+    )
+    return low, high

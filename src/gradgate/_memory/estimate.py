@@ -26,6 +26,7 @@ import contextlib
 import gc
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -241,19 +242,12 @@ class StepPlanner:
         return self._simulator.trainable
 
     def replanner(self) -> Replanner:
-        """What plans more rows later (:meth:`MemoryPlan.fits`): a context manager that opens a
-        planner of the model as it is now, with these options and inputs, and gives its
-        ``row``. The model is copied now with ``meta`` tensors: the later rows are those of
-        the model as planned here, and no memory of it is held."""
-        model, (args, kwargs) = meta_copy(self._model), light_inputs(*self._inputs)
-        options, blocks = self._options, self._blocks
-
-        @contextlib.contextmanager
-        def reopened() -> Iterator[Callable[[Plan], MemoryRow]]:
-            with StepPlanner(model, args, kwargs, blocks=blocks, options=options) as planner:
-                yield planner.row
-
-        return reopened
+        """What plans more rows later (:meth:`MemoryPlan.fits`): called, a context manager
+        that opens a planner of the model as it is now, with these options and inputs, and
+        gives its ``row``. The model is copied now with ``meta`` tensors: the later rows are
+        those of the model as planned here, and none of its memory is held."""
+        args, kwargs = light_inputs(*self._inputs)
+        return _Replan(meta_copy(self._model), args, kwargs, self._options, self._blocks)
 
     def result(self, rows: Sequence[MemoryRow]) -> MemoryPlan:
         """The plan of ``rows``, able to plan more depths (:meth:`replanner`)."""
@@ -273,6 +267,26 @@ class StepPlanner:
             masters="fp32" if options.masters else None,
             device=options.device,
         )
+
+
+@dataclass(frozen=True)
+class _Replan:
+    """A planner made again: a meta copy of the model, light inputs, the checked options (a
+    plain object, so that a plan pickles)."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    options: StepOptions
+    blocks: Sequence[Pattern] | str | None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[Callable[[Plan], MemoryRow]]:
+        planner = StepPlanner(
+            self.model, self.args, self.kwargs, blocks=self.blocks, options=self.options
+        )
+        with planner:
+            yield planner.row
 
 
 @contextlib.contextmanager

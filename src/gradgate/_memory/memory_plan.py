@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from .._plumbing.errors import InvalidDepthError
+from .._plumbing.errors import GradgateWarning, InvalidDepthError
 from .._plumbing.units import in_units
-from .budget import default_headroom, needed_bytes, parse_bytes, plan_around
+from .budget import default_headroom, needed_bytes, parse_bytes, plan_around, unsettled
 
 _COLUMNS = ("params", "grads", "optimizer", "saved", "other", "peak", "phase")
 # opens a planner of the model as it was estimated; inside, it plans one more depth per call
@@ -148,10 +149,11 @@ class MemoryPlan:
         The depths that decide the answer and were not planned yet are planned now, on the
         copy of the model ``gg.estimate`` took (the model as it was then), and join
         :attr:`rows`: the largest depth that fits and the next one, which does not, are rows
-        of the plan afterwards. The peak grows with the depth, so a few rows settle it. A
-        plan of learning sets only answers with the planned set with the most gradient bytes
-        that fits; none is planned for it. A full fine-tune row (``gradgate plan`` adds one)
-        is not a depth: its own ``peak_bytes`` answers for it.
+        of the plan afterwards. The peak grows with the depth, so a few rows settle it (a
+        plan not made by ``gg.estimate`` cannot plan more: it warns when its rows do not
+        settle the answer). A plan of learning sets only answers with the planned set with
+        the most gradient bytes that fits; none is planned for it. A full fine-tune row
+        (``gradgate plan`` adds one) is not a depth: its own ``peak_bytes`` answers for it.
 
         ``headroom=None`` is the default of the plan's device (:meth:`headroom_for`): on CUDA
         512 MiB + 5% of the peak, on the CPU 5% of the peak. Pass ``headroom=0`` for the bare
@@ -180,7 +182,19 @@ class MemoryPlan:
         planner opens only if a row is missing."""
         rows = {row.depth: row for row in self.rows if row.learn is None}
         depths = {depth: row for depth, row in rows.items() if depth is not None}
-        if not depths or self._replanner is None:
+        if not depths:
+            return
+        if self._replanner is None:
+            low, high = unsettled(depths, self.blocks, fitting)
+            if high - low > 1:
+                warnings.warn(
+                    f"plan.fits answered among the planned depths {sorted(depths)} only: this "
+                    "plan cannot plan more (it was not made by gg.estimate), and the answer "
+                    f"may be one of depths {low + 1}..{high - 1}, which were not planned. Plan "
+                    f"them with gg.estimate(..., depths=range({low + 1}, {high})).",
+                    GradgateWarning,
+                    stacklevel=3,
+                )
             return
         count, replanner = len(depths), self._replanner
         with contextlib.ExitStack() as stack:
