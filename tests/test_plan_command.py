@@ -359,3 +359,19 @@ def test_seq_on_a_vision_config_warns(tmp_path: Path, capsys: pytest.CaptureFixt
         status, with_seq, _ = plan(tmp_path, capsys, VIT, "--seq", "128", "--depths", "2")
     _, without, _ = plan(tmp_path, capsys, VIT, "--depths", "2")
     assert status == 0 and with_seq == without
+
+
+def test_when_no_depth_fits_the_verdict_names_the_learning_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's 8B command without --badam: the head learns at every depth, and that is
+    what does not fit; the verdict says so, and how to freeze it."""
+    status, out, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--memory", "100KiB",
+                          "--headroom", "0")  # fmt: skip
+    assert status == 0
+    assert "no depth fits in 100KiB (peak + headroom 0 B): the smallest is" in out
+    assert "(depth 0, where model.norm and lm_head learn)" in out
+    assert "lm_head learns at every depth: --freeze lm_head (or --badam) plans it frozen" in out
+    _, frozen, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--memory", "100KiB",
+                        "--headroom", "0", "--freeze", "lm_head")  # fmt: skip
+    assert "(depth 0, where model.norm learn" in frozen and "--freeze lm_head (or" not in frozen

@@ -218,6 +218,7 @@ class ConfigPlan:
     plan: MemoryPlan
     depths: dict[MemoryRow, int] = field(default_factory=dict)
     learning: dict[MemoryRow, str] = field(default_factory=dict)
+    head: str | None = None  # the LM head, where it learns in the depth rows
 
 
 def plan_config(
@@ -282,6 +283,8 @@ def plan_config(
             extra = embedding_names(model) if learn_embeddings else []
             sets = learn_sets(model, planner.block_names, learn or [], badam)
             found = _plan_rows(planner, depths, sets, extra, budget, headroom)
+            learning_head = [name for name in head_names(model) if name not in frozen]
+            found.head = next(iter(learning_head), None) if found.depths else None
     found.plan.notes += _frozen_notes(frozen)
     return found
 
@@ -408,6 +411,11 @@ def verdict(found: ConfigPlan, text: str, budget: int, headroom: int | None = No
             f"no depth fits in {text} ({how}): the smallest is {format_bytes(needs(smallest))} "
             f"(depth {found.depths[smallest]}{where(smallest)})"
         )
+        if found.head is not None:
+            lines.append(
+                f"{found.head} learns at every depth: --freeze {found.head} (or --badam) plans "
+                "it frozen"
+            )
     for row in plan.rows:
         if row in found.depths:
             continue
