@@ -127,7 +127,8 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--checkpointing",
         action="store_true",
-        help="with gradient checkpointing (transformers' gradient_checkpointing_enable)",
+        help="with gradient checkpointing (transformers' activation_checkpointing_enable, "
+        "gradient_checkpointing_enable before 5.23)",
     )
     parser.add_argument(
         "--blocks",
