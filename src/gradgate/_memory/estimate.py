@@ -215,7 +215,7 @@ class StepPlanner:
         except GradgateError:
             raise
         except Exception as error:
-            if self._inputs != ((), {}):
+            if self._inputs[0] or self._inputs[1]:
                 raise
             raise _no_batch(self._model, error) from error
         return MemoryRow(

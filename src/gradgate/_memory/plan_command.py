@@ -284,10 +284,14 @@ def plan_config(
             extra = embedding_names(model) if learn_embeddings else []
             sets = learn_sets(model, planner.block_names, learn or [], badam)
             found = _plan_rows(planner, depths, sets, extra, budget, headroom)
-            learning_head = [name for name in head_names(model) if name not in frozen]
-            found.head = next(iter(learning_head), None) if found.depths else None
+            found.head = next(iter(_learning(model, head_names(model))), None)
     found.plan.notes += _frozen_notes(frozen)
     return found
+
+
+def _learning(model: Any, names: list[str]) -> list[str]:
+    """Those of the modules ``names`` with a parameter that requires grad."""
+    return [n for n in names if any(p.requires_grad for p in model.get_submodule(n).parameters())]
 
 
 def _check_masters(model: Any, weights: str | None, masters: str | None, badam: bool) -> None:
@@ -412,7 +416,7 @@ def verdict(found: ConfigPlan, text: str, budget: int, headroom: int | None = No
             f"no depth fits in {text} ({how}): the smallest is {format_bytes(needs(smallest))} "
             f"(depth {found.depths[smallest]}{where(smallest)})"
         )
-        if found.head is not None:
+        if found.head is not None:  # it learns at every depth
             lines.append(
                 f"{found.head} learns at every depth: --freeze {found.head} (or --badam) plans "
                 "it frozen"
