@@ -681,3 +681,15 @@ def test_bench_table_has_a_line_per_stage_and_depth() -> None:
         "5,000",
         "52",
     ]
+
+
+def test_learner_masters_refuses_fp16_weights_with_the_bf16_options() -> None:
+    """fp16 cannot run on DeepSpeed's CPU accelerator: the check, on what ZeRO 2 exposes."""
+    from types import SimpleNamespace
+
+    from gradgate.integrations._zero_setups import check_masters
+
+    zero2 = SimpleNamespace(partition_gradients=True, bit16_groups=[[torch.zeros(2).half()]])
+    with pytest.raises(gg.InvalidOptionError, match=r"stage 2 with fp16 weights.*bf16_master_"):
+        check_masters(zero2, "zero12", [torch.zeros(2)])
+    check_masters(zero2, "plain", [])  # stage 0: the engine steps LearnerMasters itself

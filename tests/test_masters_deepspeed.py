@@ -67,17 +67,25 @@ def average(grads: list[torch.Tensor]) -> torch.Tensor:
     return total / len(grads)
 
 
-def reference(steps: int, gas: int, order: str, **options: Any) -> tuple[nn.Module, Any, list]:
+def reference(
+    steps: int,
+    gas: int,
+    order: str,
+    edit: dict[int, Callable[[nn.Module], None]] | None = None,
+    **options: Any,
+) -> tuple[nn.Module, Any, list]:
     """(model, LearnerMasters, per step the names that learned). ``order``: "ranks first" (each
     micro-batch's gradients averaged over the ranks, then summed over the micro-batches, as
     ZeRO 2 and 3 reduce them) or "micro first" (each rank sums its micro-batches, then the
-    ranks are averaged, as ZeRO 1)."""
+    ranks are averaged, as ZeRO 1). ``edit[step](model)`` runs before that step."""
     model = make_model().bfloat16()
     optimizer = learner_masters(model, **options)
     gate = gg.BackpropGate(model, blocks=BLOCKS)
     named = list(model.named_parameters())
     learned = []
     for step in range(steps):
+        if edit and step in edit:
+            edit[step](model)
         grads: dict[str, list[list[torch.Tensor]]] = {}  # name -> [micro][rank]
         for m in range(gas):
             micro = step * gas + m
@@ -130,9 +138,10 @@ def engine_for(stage: int, gas: int = 1, optimizer: Any = None, **options: Any) 
 
 
 def full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (the engine's module, or a module)."""
     import deepspeed
 
-    params = dict(engine.module.named_parameters())
+    params = dict(getattr(engine, "module", engine).named_parameters())
     if stage == 3:
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {n: p.detach().clone() for n, p in params.items()}
@@ -247,7 +256,228 @@ def make_exact(stage: int, gas: int = 1, **options: Any) -> Callable[[int, dict[
     return scenario
 
 
+def run_plans(engine: Any, rank: int, micros: range) -> None:
+    gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
+    for micro in micros:
+        PLANS[micro % len(PLANS)].apply(gate)
+        engine.backward(loss_of(engine, batch(rank, micro)))
+        engine.step()
+    gate.remove()
+
+
+def checkpoint_resumes_bit_for_bit(rank: int, record: dict[str, Any]) -> None:
+    """save_checkpoint / load_checkpoint: masters and moments come back, the run goes on with
+    the same bits as the run that was not stopped (the loaded partitions equal the masters
+    rounded, so no master is remade)."""
+    import gradgate.integrations.deepspeed as ggds
+
+    folder = str(Path(os.environ["GRADGATE_TEST_OUT"]) / "checkpoints")
+    for stage in (1, 2, 3):
+        engine = engine_for(stage)
+        handle = ggds.step_learners_only(engine)
+        run_plans(engine, rank, range(3))
+        engine.save_checkpoint(folder, tag=f"stage{stage}")
+        run_plans(engine, rank, range(3, 7))
+        want, want_masters = full_params(engine, stage), full_masters(handle, engine, stage)
+        handle.remove()
+        resumed = engine_for(stage)
+        handle = ggds.step_learners_only(resumed)
+        resumed.load_checkpoint(folder, tag=f"stage{stage}")
+        run_plans(resumed, rank, range(3, 7))
+        got, got_masters = full_params(resumed, stage), full_masters(handle, resumed, stage)
+        handle.remove()
+        for name, value in want.items():
+            assert torch.equal(bits(got[name]), bits(value)), (stage, name)
+            for key, tensor in want_masters[name].items():
+                assert torch.equal(got_masters[name][key], tensor), (stage, name, key)
+
+
+def written_partitions_get_new_masters(rank: int, record: dict[str, Any]) -> None:
+    """A parameter set through DeepSpeed between steps (ZeRO-3's GatheredParameters) is the
+    truth: its master is remade from the new value, as LearnerMasters does in one process for a
+    parameter written from outside; the other masters are kept. Bit for bit."""
+    import deepspeed
+
+    import gradgate.integrations.deepspeed as ggds
+
+    def write(model: nn.Module) -> None:
+        with torch.no_grad():
+            model[-1].weight.fill_(0.5)
+
+    want_model, want_opt, _ = reference(2, 1, ORDER[3], edit={1: write})
+    engine = engine_for(3)
+    handle = ggds.step_learners_only(engine)
+    run_plans(engine, rank, range(1))
+    head = engine.module[-1].weight
+    with deepspeed.zero.GatheredParameters([head], modifier_rank=0):
+        if rank == 0:
+            write(engine.module)
+    run_plans(engine, rank, range(1, 2))
+    got, masters = full_params(engine, 3), full_masters(handle, engine, 3)
+    for name, param in want_model.named_parameters():
+        assert torch.equal(bits(got[name]), bits(param)), name
+        state = want_opt.state.get(param)
+        if state:
+            assert torch.equal(masters[name]["master"], state["master"].reshape(-1)), name
+    handle.remove()
+
+
+def remove_gives_back_what_it_changed(rank: int, record: dict[str, Any]) -> None:
+    """remove(): the masters go (LearnerMasters stepped only the stretches), ZeRO-3's copy of
+    its partitions gets its own memory back, and LearnerMasters refuses ZeRO's flat partitions
+    again with the line to add."""
+    import gradgate.integrations.deepspeed as ggds
+
+    for stage in (1, 3):
+        engine = engine_for(stage)
+        outer = engine.optimizer
+        copies = outer.fp32_partitioned_groups_flat if stage == 3 else []
+        partitions = outer.fp16_partitioned_groups_flat if stage == 3 else []
+        assert all(c.data_ptr() != p.data_ptr() for c, p in zip(copies, partitions, strict=True))
+        handle = ggds.step_learners_only(engine)
+        assert all(c.data_ptr() == p.data_ptr() for c, p in zip(copies, partitions, strict=True))
+        run_plans(engine, rank, range(1, 2))
+        optimizer = outer.optimizer
+        total = torch.tensor([optimizer.master_bytes()])
+        dist.all_reduce(total)
+        assert int(total) > 0
+        handle.remove()
+        assert not any(optimizer.state.values()) and optimizer.master_bytes() == 0
+        for copy, partition in zip(copies, partitions, strict=True):
+            assert copy.data_ptr() != partition.data_ptr() and torch.equal(copy, partition)
+        engine.backward(loss_of(engine, batch(rank, 0)))
+        with pytest.raises(gg.InvalidOptionError, match=r"step_learners_only\(engine\) after"):
+            engine.step()
+
+
+def refuses_with_the_reason_and_what_works(rank: int, record: dict[str, Any]) -> None:
+    import gradgate.integrations.deepspeed as ggds
+
+    for stage in (1, 2, 3):  # bf16 without DeepSpeed's two options: fp32 masters of everything
+        engine = engine_for(stage, bf16={"enabled": True})
+        wanted = rf"stage {stage}: ZeRO keeps a torch.float32 master.*bf16_master_weights_and_grads"
+        with pytest.raises(gg.InvalidOptionError, match=wanted):
+            ggds.step_learners_only(engine)
+    offload = {"stage": 3, "offload_param": {"device": "cpu"}}
+    offloaded = engine_for(3, zero_optimization=offload)
+    with pytest.raises(gg.InvalidOptionError, match=r"offload_param.*saves nothing"):
+        ggds.step_learners_only(offloaded)
+    fp32_accumulation = engine_for(
+        1, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}
+    )
+    with pytest.raises(gg.InvalidOptionError, match=r"BF16_Optimizer.*leave grad_accum_dtype out"):
+        ggds.step_learners_only(fp32_accumulation)
+    forgotten = engine_for(2)  # the options set, the handle not: the step asks for it
+    forgotten.backward(loss_of(forgotten, batch(rank, 0)))
+    with pytest.raises(gg.InvalidOptionError, match=r"DeepSpeed ZeRO replaces the groups"):
+        forgotten.step()
+
+
+def float32_models_need_no_options(rank: int, record: dict[str, Any]) -> None:
+    """A float32 model: ZeRO's partitions are the weights (ZeRO-3 shares them), LearnerMasters
+    steps them in place, with state only for what learned."""
+    import deepspeed
+
+    import gradgate.integrations.deepspeed as ggds
+
+    for stage in (0, 2, 3):
+        model = make_model()
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+        }
+        engine = deepspeed.initialize(model=model, optimizer=learner_masters(model), config=config)[
+            0
+        ]
+        handle = ggds.step_learners_only(engine)
+        gate = gg.BackpropGate(engine.module, blocks=BLOCKS, depth=1)
+        before = full_params(engine, stage)
+        engine.backward(engine(batch(rank, 0)).pow(2).mean())
+        engine.step()
+        after = full_params(engine, stage)
+        moved = {name for name in after if not torch.equal(after[name], before[name])}
+        assert moved == {"5.linear.weight", "5.linear.bias", "6.weight", "6.bias"}, (stage, moved)
+        optimizer = handle.base
+        assert all("master" not in entry for entry in optimizer.state.values())
+        gate.remove()
+        handle.remove()
+
+
+def hf_trainer_zero3_holds_masters_for_the_block_that_learns(
+    rank: int, record: dict[str, Any]
+) -> None:
+    """TrainingArguments(deepspeed=config) with ZeRO-3, LearnerMasters passed as the optimizer
+    and GateCallback driving BAdam: each step moves exactly the block BAdam picked, and each
+    rank holds masters for its share of that block only."""
+    import transformers
+    from models import tiny_gpt2, trainer_args
+
+    from gradgate.integrations.transformers import GateCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    class Watch(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+            self.before = full_params(model, 3)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs) -> None:
+            after = full_params(model, 3)
+            moved.append({n.split(".")[2] for n in after if n.startswith("transformer.h.")
+                          and not torch.equal(bits(after[n]), bits(self.before[n]))})  # fmt: skip
+            plans.append({str(i) for i in callback.plan.learning(4)})
+            check_bytes(callback._deepspeed, optimizer, 3, record)
+
+    model = tiny_gpt2(4).bfloat16()
+    for param in model.transformer.wte.parameters():  # tied to the head: BAdam leaves them
+        param.requires_grad_(False)
+    optimizer = learner_masters(model)
+    moved: list[set[str]] = []
+    plans: list[set[str]] = []
+    callback = GateCallback(gg.schedules.BAdam(4, 1, order="descending"))
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3},
+        "bf16": KNOBS,
+    }
+    args = trainer_args(
+        Path(os.environ["GRADGATE_TEST_OUT"]) / "hf",
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        bf16=True,
+        deepspeed=config,
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=Tokens(),
+        optimizers=(optimizer, None),
+        callbacks=[callback, Watch()],
+    )
+    trainer.train()
+    assert moved == plans and len({frozenset(p) for p in plans}) == 4, (moved, plans)
+    assert callback._deepspeed is None  # removed when training ended
+
+
 SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
+    refuses_with_the_reason_and_what_works,
+    remove_gives_back_what_it_changed,
+    checkpoint_resumes_bit_for_bit,
+    written_partitions_get_new_masters,
+    float32_models_need_no_options,
+    hf_trainer_zero3_holds_masters_for_the_block_that_learns,
     *[make_exact(stage) for stage in (1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     make_exact(3, offload="cpu"),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .._plumbing.errors import InvalidOptionError
+from .._tools.masters import LearnerMasters
 
 WORKS = "ZeRO stage 1, 2 or 3 with a torch optimizer and no optimizer offload"
 KNOBS = (
@@ -132,3 +133,32 @@ def _knobs_missing() -> str:
         "torch.optim.AdamW with step_learners_only(engine, keep_state=False): AdamW state only "
         "for the learners, ZeRO's masters for every parameter)"
     )
+
+
+def keep_given_masters(trainer: Any) -> None:
+    """Keep the LearnerMasters (and its scheduler) given to a Hugging Face Trainer that runs
+    DeepSpeed.
+
+    transformers' DeepSpeed set-up drops ``optimizers=(optimizer, scheduler)`` and builds an
+    AdamW and a scheduler of its own from the arguments: with DeepSpeed's bf16 options set for
+    LearnerMasters, that AdamW would step bf16 masters and moments of every parameter, with no
+    word said. The Trainer's ``create_optimizer`` and ``create_scheduler`` (on this Trainer
+    only) put the given ones back when that set-up has dropped them.
+    """
+    given, scheduler = trainer.optimizer, trainer.lr_scheduler
+    if not getattr(trainer, "is_deepspeed_enabled", False) or not isinstance(given, LearnerMasters):
+        return
+    create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
+
+    def keep_optimizer(*args: Any, **kwargs: Any) -> Any:
+        if trainer.optimizer is None:
+            trainer.optimizer = given
+        return create_optimizer(*args, **kwargs)
+
+    def keep_scheduler(*args: Any, **kwargs: Any) -> Any:
+        if trainer.lr_scheduler is None and scheduler is not None:
+            trainer.lr_scheduler = scheduler
+        return create_scheduler(*args, **kwargs)
+
+    trainer.create_optimizer = keep_optimizer
+    trainer.create_scheduler = keep_scheduler
