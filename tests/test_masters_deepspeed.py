@@ -24,7 +24,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_deepspeed import BATCH, BLOCKS, DECAY, LR, PLANS, batch, free_port, make_model
+from test_deepspeed import (
+    BATCH,
+    BLOCKS,
+    DECAY,
+    LR,
+    PLANS,
+    batch,
+    free_port,
+    hold_frozen,
+    make_model,
+    release,
+)
 from torch import nn
 
 import gradgate as gg
@@ -116,10 +127,12 @@ def reference(
 
 
 # -- the DeepSpeed side -------------------------------------------------------------------------
-def engine_for(stage: int, gas: int = 1, optimizer: Any = None, **options: Any) -> Any:
+def engine_for(
+    stage: int, gas: int = 1, optimizer: Any = None, checkpointed: bool = False, **options: Any
+) -> Any:
     import deepspeed
 
-    model = make_model().bfloat16()
+    model = make_model(checkpointed).bfloat16()
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": gas,
@@ -211,20 +224,31 @@ def check_bytes(handle: Any, optimizer: Any, stage: int, record: dict[str, Any])
 ORDER = {1: "micro first", 2: "ranks first", 3: "ranks first"}
 
 
-def run_exact(rank: int, stage: int, gas: int, record: dict[str, Any], **options: Any) -> None:
+def run_exact(
+    rank: int,
+    stage: int,
+    gas: int,
+    record: dict[str, Any],
+    checkpointed: bool = False,
+    **options: Any,
+) -> None:
     import gradgate.integrations.deepspeed as ggds
 
     steps = 6 if gas == 1 else 3
     want_model, want_opt, learned = reference(steps, gas, ORDER[stage], **options)
-    engine = engine_for(stage, gas, functools.partial(learner_masters, **options))
+    engine = engine_for(stage, gas, functools.partial(learner_masters, **options), checkpointed)
     handle = ggds.step_learners_only(engine)
     gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
     for step in range(steps):
         before = full_params(engine, stage)
         for m in range(gas):
             micro = step * gas + m
-            PLANS[micro % len(PLANS)].apply(gate)
+            plan = PLANS[micro % len(PLANS)]
+            plan.apply(gate)
+            # non-reentrant recomputation needs the flags of the forward (GateCallback's hold)
+            held = hold_frozen(engine.module, plan) if checkpointed else []
             engine.backward(loss_of(engine, batch(rank, micro)))
+            release(held)
             engine.step()
         after = full_params(engine, stage)
         for name, value in after.items():
@@ -247,11 +271,14 @@ def run_exact(rank: int, stage: int, gas: int, record: dict[str, Any], **options
     handle.remove()
 
 
-def make_exact(stage: int, gas: int = 1, **options: Any) -> Callable[[int, dict[str, Any]], None]:
+def make_exact(
+    stage: int, gas: int = 1, checkpointed: bool = False, **options: Any
+) -> Callable[[int, dict[str, Any]], None]:
     def scenario(rank: int, record: dict[str, Any]) -> None:
-        run_exact(rank, stage, gas, record, **options)
+        run_exact(rank, stage, gas, record, checkpointed, **options)
 
     extra = "_offload_cpu" if options.get("offload") else ""
+    extra += "_checkpointed" if checkpointed else ""
     scenario.__name__ = f"exact_stage{stage}_gas{gas}{extra}"
     return scenario
 
@@ -409,9 +436,10 @@ def float32_models_need_no_options(rank: int, record: dict[str, Any]) -> None:
 def hf_trainer_zero3_holds_masters_for_the_block_that_learns(
     rank: int, record: dict[str, Any]
 ) -> None:
-    """TrainingArguments(deepspeed=config) with ZeRO-3, LearnerMasters passed as the optimizer
-    and GateCallback driving BAdam: each step moves exactly the block BAdam picked, and each
-    rank holds masters for its share of that block only."""
+    """TrainingArguments(deepspeed=config) with ZeRO-3, LearnerMasters and its scheduler passed
+    in ``optimizers`` (GateCallback keeps them: transformers would build its own under
+    DeepSpeed) and GateCallback driving BAdam: each step moves exactly the block BAdam picked,
+    and each rank holds masters for its share of that block only."""
     import transformers
     from models import tiny_gpt2, trainer_args
 
@@ -434,12 +462,9 @@ def hf_trainer_zero3_holds_masters_for_the_block_that_learns(
             moved.append({n.split(".")[2] for n in after if n.startswith("transformer.h.")
                           and not torch.equal(bits(after[n]), bits(self.before[n]))})  # fmt: skip
             plans.append({str(i) for i in callback.plan.learning(4)})
+            rates.append(optimizer.param_groups[0]["lr"])
             check_bytes(callback._deepspeed, optimizer, 3, record)
 
-    model = tiny_gpt2(4).bfloat16()
-    for param in model.transformer.wte.parameters():  # tied to the head: BAdam leaves them
-        param.requires_grad_(False)
-    optimizer = learner_masters(model)
     moved: list[set[str]] = []
     plans: list[set[str]] = []
     callback = GateCallback(gg.schedules.BAdam(4, 1, order="descending"))
@@ -459,15 +484,24 @@ def hf_trainer_zero3_holds_masters_for_the_block_that_learns(
         bf16=True,
         deepspeed=config,
     )
+    # built after the arguments, under DeepSpeed's zero.Init: each rank holds its partitions only
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_gpt2(4).config, dtype=torch.bfloat16)
+    assert int(model.transformer.h[0].mlp.c_fc.weight.ds_numel) == 16 * 64
+    gg.freeze(model, "transformer.wte")  # tied to the head: BAdam leaves them
+    optimizer = learner_masters(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    rates: list[float] = []
     trainer = transformers.Trainer(
         model=model,
         args=args,
         train_dataset=Tokens(),
-        optimizers=(optimizer, None),
+        optimizers=(optimizer, scheduler),
         callbacks=[callback, Watch()],
     )
     trainer.train()
     assert moved == plans and len({frozenset(p) for p in plans}) == 4, (moved, plans)
+    assert rates == [LR * (1 / (1 + step)) for step in range(1, 5)], rates  # the given one
     assert callback._deepspeed is None  # removed when training ended
 
 
@@ -481,6 +515,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     *[make_exact(stage) for stage in (1, 2, 3)],
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     make_exact(3, offload="cpu"),
+    make_exact(3, checkpointed=True),
 ]
 
 

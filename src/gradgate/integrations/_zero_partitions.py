@@ -113,8 +113,8 @@ def unshare_partitions(shared: list[torch.Tensor]) -> None:
 
 def drop_stale_masters(state: dict[Any, Any], tensors: list[torch.Tensor]) -> None:
     """Drop the master of each stretch whose value is no longer its master rounded: something
-    wrote the partition (a checkpoint loaded, DeepSpeed's ``safe_set_full_fp32_param``, a
-    ZeRO-3 ``GatheredParameters`` edit). LearnerMasters makes a new master from the value;
+    wrote the partition (a checkpoint loaded, a ZeRO-3 ``GatheredParameters`` edit).
+    LearnerMasters makes a new master from the value;
     the stretches' own version counters do not see writes through the flat tensor."""
     for tensor in tensors:
         entry = state.get(tensor)
