@@ -57,10 +57,19 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x.to(torch.bfloat16)).float().pow(2).mean()
 
 
-def learner_masters(model: nn.Module, **options: Any) -> gg.optim.LearnerMasters:
-    return gg.optim.LearnerMasters(
-        torch.optim.AdamW, model.parameters(), lr=LR, weight_decay=DECAY, **options
-    )
+def learner_masters(
+    model: nn.Module, groups: bool = False, **options: Any
+) -> gg.optim.LearnerMasters:
+    """LearnerMasters(AdamW); ``groups``: weights decayed, biases not, in two groups (as the
+    HF Trainer makes them), which ZeRO steps one at a time."""
+    params: Any = model.parameters()
+    if groups:
+        named = list(model.named_parameters())
+        params = [
+            {"params": [p for n, p in named if n.endswith("weight")]},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+        ]
+    return gg.optim.LearnerMasters(torch.optim.AdamW, params, lr=LR, weight_decay=DECAY, **options)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -235,8 +244,10 @@ def run_exact(
     import gradgate.integrations.deepspeed as ggds
 
     steps = 6 if gas == 1 else 3
+    config = {k: options.pop(k) for k in list(options) if k == "zero_optimization"}
     want_model, want_opt, learned = reference(steps, gas, ORDER[stage], **options)
-    engine = engine_for(stage, gas, functools.partial(learner_masters, **options), checkpointed)
+    optimizer = functools.partial(learner_masters, **options)
+    engine = engine_for(stage, gas, optimizer, checkpointed, **config)
     handle = ggds.step_learners_only(engine)
     gate = gg.BackpropGate(engine.module, blocks=BLOCKS)
     for step in range(steps):
@@ -279,6 +290,8 @@ def make_exact(
 
     extra = "_offload_cpu" if options.get("offload") else ""
     extra += "_checkpointed" if checkpointed else ""
+    extra += "_two_groups" if options.get("groups") else ""
+    extra += "_sub_groups" if "zero_optimization" in options else ""
     scenario.__name__ = f"exact_stage{stage}_gas{gas}{extra}"
     return scenario
 
@@ -516,6 +529,8 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     *[make_exact(stage, gas=2) for stage in (1, 2, 3)],
     make_exact(3, offload="cpu"),
     make_exact(3, checkpointed=True),
+    make_exact(1, groups=True),
+    make_exact(3, groups=True, zero_optimization={"stage": 3, "sub_group_size": 100}),
 ]
 
 

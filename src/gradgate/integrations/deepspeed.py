@@ -198,10 +198,10 @@ class LearnersOnly(Handle):
             self.base.state.pop(key, None)
 
     def _base_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        learned = self._learned()
-        swapped = self._as_segments(learned)
-        if self.masters:
-            parts.drop_stale_masters(self.base.state, self._tensors(learned))
+        swapped = self._as_segments(self._learned())
+        if self.masters:  # ZeRO steps one group (or ZeRO-3 sub-group) at a time: these
+            stepped = [t for g in self.base.param_groups for t in g["params"] if t.grad is not None]
+            parts.drop_stale_masters(self.base.state, stepped)
         try:
             return original(*args, **kwargs)
         finally:
