@@ -681,3 +681,27 @@ def test_bench_table_has_a_line_per_stage_and_depth() -> None:
         "5,000",
         "52",
     ]
+
+
+def test_learner_masters_refuses_fp16_weights_with_the_bf16_options() -> None:
+    """fp16 cannot run on DeepSpeed's CPU accelerator: the check, on what ZeRO 2 exposes."""
+    from types import SimpleNamespace
+
+    from gradgate.integrations._zero_setups import check_masters
+
+    zero2 = SimpleNamespace(partition_gradients=True, bit16_groups=[[torch.zeros(2).half()]])
+    with pytest.raises(gg.InvalidOptionError, match=r"stage 2 with fp16 weights.*bf16_master_"):
+        check_masters(zero2, "zero12", [torch.zeros(2)])
+    check_masters(zero2, "plain", [])  # stage 0: the engine steps LearnerMasters itself
+
+
+def test_zero_masters_bench_table_has_a_line_per_stage_plan_and_rank() -> None:
+    from gradgate._bench.sections.zero_masters import table
+
+    row = {"stage": 3, "plan": "BAdam", "rank": 1, "ZeRO": 6000, "share": 790}
+    row |= {"AdamW, learners' state": 2600, "LearnerMasters": 792}
+    section = {"world_size": 2, "backend": "gloo", "blocks": 8, "width": 128, "steps": 3}
+    text = table({**section, "rows": [row], "beside": {"3": {"copy": 0, "gradients": 1058}}})
+    lines = text.splitlines()
+    assert lines[2].split() == ["3", "BAdam", "1", "6,000", "2,600", "792", "790"]
+    assert lines[-1].split() == ["3", "0", "1,058"]

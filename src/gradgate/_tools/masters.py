@@ -89,6 +89,11 @@ class LearnerMasters(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._known.update(self.param_groups[-1]["params"])
 
+    def _take(self, params: Iterable[torch.Tensor], *, taken: bool = True) -> None:
+        """Accept ``params`` in the groups though never given (``taken=False``: no longer):
+        gradgate's DeepSpeed integration puts its stretches of ZeRO's partitions there."""
+        (self._known.update if taken else self._known.difference_update)(params)
+
     # -- the step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -99,7 +104,9 @@ class LearnerMasters(torch.optim.Optimizer):
                 loss = closure()
         learners = self._learners()
         learning = {p for _, p in learners}
-        self._rest([p for p in self.state if p.dtype in _LOW and p not in learning])
+        # of the parameters in the groups now (DeepSpeed's ZeRO steps one group at a time)
+        resting = {p for g in self.param_groups for p in g["params"]} - learning
+        self._rest([p for p in self.state if p in resting and p.dtype in _LOW])
         inner = self._inner
         groups = [{**_options(g), "params": []} for g in self.param_groups]
         inner.param_groups = groups  # LR schedulers' lr and betas reach the inner optimizer
@@ -119,10 +126,11 @@ class LearnerMasters(torch.optim.Optimizer):
                     raise InvalidOptionError(
                         f"LearnerMasters' parameter groups hold a {tuple(param.shape)} "
                         f"{param.dtype} tensor it was not given (DeepSpeed ZeRO replaces the "
-                        "groups with its own flat fp32 copies, and keeps fp32 masters of every "
-                        "parameter itself); expected the model's parameters: under DeepSpeed use "
-                        "torch.optim.AdamW with "
-                        "gg.integrations.deepspeed.step_learners_only(engine, keep_state=False)."
+                        "groups with its own flat partitions); expected the model's "
+                        "parameters: under DeepSpeed add "
+                        "gg.integrations.deepspeed.step_learners_only(engine) after "
+                        "deepspeed.initialize, which hands LearnerMasters each parameter's "
+                        "stretch of them."
                     )
                 if param.grad is not None:
                     found.append((index, param))

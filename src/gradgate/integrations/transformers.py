@@ -119,7 +119,12 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
 
     def _guard_train(self, trainer: Any) -> None:
         """Wrap ``trainer.train`` so that an exception (``KeyboardInterrupt``) inside it removes
-        what the callback did: transformers has no exception event and skips ``on_train_end``."""
+        what the callback did: transformers has no exception event and skips ``on_train_end``.
+        Under DeepSpeed, keep a LearnerMasters given in ``optimizers`` (transformers would
+        replace it with an AdamW of its own)."""
+        from ._zero_setups import keep_given_masters
+
+        keep_given_masters(trainer)
         train = trainer.train
         cleaners = getattr(train, "_gradgate_cleaners", None)
         if cleaners is not None:
