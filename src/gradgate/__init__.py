@@ -27,6 +27,9 @@ from ._cut.compile import compile_blocks
 from ._tools.freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
 from ._plumbing.handles import Handle
 
+# learn rows: only some rows of an embedding or a head learn (new tokens)
+from ._tools.rows import RowsHandle, learn_rows
+
 # transform: how are gradients changed?
 from ._tools.transform import (
     TransformHandle,
@@ -83,6 +86,7 @@ from ._plumbing.errors import (
     NoTensorError,
     PlanNotAppliedWarning,
     RankMismatchError,
+    RowsError,
     SavedTensorModifiedError,
     SharedParameterWarning,
     TorchVersionError,
@@ -143,6 +147,8 @@ __all__ = [
     "NoTensorError",
     "PlanNotAppliedWarning",
     "RankMismatchError",
+    "RowsError",
+    "RowsHandle",
     "SavedTensorModifiedError",
     "SharedParameterWarning",
     "StopGradient",
@@ -166,6 +172,7 @@ __all__ = [
     "frozen",
     "grad_transform",
     "graph",
+    "learn_rows",
     "reverse_grad",
     "scale_grad",
     "select",

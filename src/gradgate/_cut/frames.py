@@ -99,6 +99,15 @@ def grad_held_off() -> bool:
     return any(f.blocking and not f.opened for f in open_frames())
 
 
+def before_a_depth_cut() -> bool:
+    """Whether a gated forward in this thread, called with grad on, is still before a cut that
+    a depth placed (a plan of the last blocks): what runs there learns at no depth."""
+    return any(
+        f.blocking and not f.opened and f.grad_before and isinstance(f.gate._learn, range)
+        for f in open_frames()
+    )
+
+
 def close_frame(frame: Frame) -> None:
     """Put back what one root forward changed: grad mode, train flags, frozen parameters."""
     frames = open_frames()

@@ -122,6 +122,10 @@ class TorchVersionError(GradgateError):
     """The installed torch lacks what a feature needs; the message names the torch to use."""
 
 
+class RowsError(GradgateError):
+    """``learn_rows`` cannot learn rows of this module, or the module changed under it."""
+
+
 class GradgateWarning(UserWarning):
     """Root of every warning gradgate emits."""
 
@@ -144,7 +148,8 @@ class NoBackwardWarning(GradgateWarning):
 
 class PlanNotAppliedWarning(GradgateWarning):
     """A plan cannot act where it was set: on a backward whose forward ran under another plan
-    (or before the ``with`` block), or inside a module whose input already carries a graph."""
+    (or before the ``with`` block), inside a module whose input already carries a graph, or on
+    rows that ``learn_rows`` learns in a module that runs before a depth's cut."""
 
 
 for _cls in list(globals().values()):

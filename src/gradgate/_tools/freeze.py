@@ -296,7 +296,8 @@ def freeze(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
     locations = _locations(model)
     for name, param in params:
         holder = next((top for _, m, n in locations[id(param)] if (top := _top_layer(m, n))), None)
-        if holder is not None and not param.requires_grad:
+        # a weight learn_rows holds frozen stays frozen under it: this freeze adds its layer
+        if isinstance(holder, FreezeHandle) and not param.requires_grad:
             raise AlreadyFrozenError(
                 f"parameter {name!r} is already frozen by {holder!r}; a parameter can be held "
                 "by one freeze at a time. Undo that handle first, or leave it out of the "
