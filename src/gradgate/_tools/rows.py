@@ -222,6 +222,8 @@ def _weight(name: str, module: nn.Module) -> nn.Parameter:
             "device, or call gg.learn_rows before sharding and keep that module unsharded."
         )
     link = live_link(module)
+    if link is not None and link.name != name:
+        _tied_refusal(name, link.name, link)
     if link is not None or ATTRIBUTE in module._parameters or hasattr(module, ATTRIBUTE):
         held = f"rows {[int(r) for r in link.rows]!r:.60}" if link is not None else ATTRIBUTE
         raise RowsError(
@@ -238,12 +240,7 @@ def _holders(model: nn.Module, name: str, weight: nn.Parameter) -> list[tuple[nn
     for qualified, module, attribute in found:
         link = live_link(module)
         if link is not None:
-            raise RowsError(
-                f"the weight of {name!r} is tied to {qualified!r}, whose rows "
-                f"{[int(r) for r in link.rows]!r:.60} already learn through gg.learn_rows "
-                f"of {link.name!r}, through both uses; expected one learn_rows per weight. "
-                "Remove that handle first, then call gg.learn_rows once with all the rows."
-            )
+            _tied_refusal(name, qualified, link)
         if not isinstance(module, (nn.Embedding, nn.Linear)) or attribute != "weight":
             raise RowsError(
                 f"the weight of {name!r} is also {qualified!r} ({type(module).__name__}), a use "
@@ -252,6 +249,15 @@ def _holders(model: nn.Module, name: str, weight: nn.Parameter) -> list[tuple[nn
                 "whole weight."
             )
     return [(module, attribute) for _, module, attribute in found]
+
+
+def _tied_refusal(name: str, tied: str, link: RowsLink) -> None:
+    raise RowsError(
+        f"the weight of {name!r} is tied to {tied!r}, whose rows "
+        f"{[int(r) for r in link.rows]!r:.60} already learn through gg.learn_rows of "
+        f"{link.name!r}, through both uses; expected one learn_rows per weight. Remove that "
+        "handle first, then call gg.learn_rows once with all the rows."
+    )
 
 
 def check_rows(rows: object, *, size: int, name: str) -> list[int]:
