@@ -42,12 +42,14 @@ def late_freeze_report() -> gg.AuditReport:
 def test_table_rows_hold_the_numbers(late_freeze_report: gg.AuditReport) -> None:
     lines = late_freeze_report.table().splitlines()
     assert lines[0].split() == [
-        "module", "type", "wgrad", "dgrad", "backward", "FLOPs", "saved", "bytes", "ms"
+        "module", "type", "wgrad", "dgrad", "backward", "FLOPs", "saved", "bytes", "wgrad",
+        "bytes", "ms",
     ]  # fmt: skip
-    rows = {line.split()[0]: line.split()[1:6] for line in lines[2:7]}
-    # conv 2: out 18×18, both directions 2·(2·2·3·18²·27) = 209,952 FLOPs; saves 2·3·20²·4 B
-    assert rows["2"] == ["Conv2d", "1", "1", "209,952", "9,600"]
-    assert rows["0"] == ["Conv2d", "1", "0", "156,816", "13,824"]
+    rows = {line.split()[0]: line.split()[1:7] for line in lines[2:7]}
+    # conv 2: out 18×18, both directions 2·(2·2·3·18²·27) = 209,952 FLOPs; saves 2·3·20²·4 B;
+    # its weight and bias gradients: (3·3·3·3 + 3)·4 B
+    assert rows["2"] == ["Conv2d", "1", "1", "209,952", "9,600", "336"]
+    assert rows["0"] == ["Conv2d", "1", "0", "156,816", "13,824", "336"]
     assert rows["(model)"][:3] == ["Sequential", "3", "2"]
     assert "model totals: 3 wgrad, 2 dgrad" in late_freeze_report.table()
     assert "wasted gradients: 2 (156,816 FLOPs)" in late_freeze_report.table()
@@ -151,7 +153,7 @@ def test_a_new_column_is_one_entry_in_the_records_module() -> None:
 
     fields = {f for f in ModuleRecord.__dataclass_fields__ if f not in ("name", "type", "leaf")}
     assert [c.field for c in COLUMNS] == [
-        "wgrad", "dgrad", "backward_flops", "saved_bytes", "seconds"
+        "wgrad", "dgrad", "backward_flops", "saved_bytes", "wgrad_bytes", "seconds"
     ]  # fmt: skip
     assert {c.field for c in COLUMNS} == fields
     assert HEADERS[2:] == tuple(c.header for c in COLUMNS)

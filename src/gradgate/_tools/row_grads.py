@@ -53,10 +53,12 @@ class RowsLink:
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.written = param._version  # the rows parameter's version the weight holds
         self.warned = False
+        # made now, not in a training step: a planned step would count what it makes as kept
         self._on: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.index(weight.device)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_on": {}, "written": -1}  # a copy writes at its first forward
+        return {**self.__dict__, "written": -1}  # a copy writes at its first forward
 
     def index(
         self, device: torch.device, dtype: torch.dtype = torch.long

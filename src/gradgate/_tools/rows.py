@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from .._plumbing.errors import InvalidOptionError, RowsError, UnknownModuleError
@@ -162,6 +163,8 @@ def _apply(handle: RowsHandle, target: nn.Module, holders: list[tuple[nn.Module,
             handle._wrappers.append(wrapper)
     handle._hooks.append(target.register_state_dict_post_hook(FoldRows(link)))
     handle._hooks.append(target.register_load_state_dict_pre_hook(LoadRows(link)))
+    # after any optimizer's step the weight holds the rows (only if they changed: one check)
+    handle._hooks.append(register_optimizer_step_post_hook(lambda *_: link.write()))
 
 
 def _on(ids: list[int], weight: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class _NodeInfo:
     flops: int = 0
     wgrad: bool = False
     dgrad: bool = False
+    wgrad_bytes: int = 0
     outputs: list[Piece] = field(default_factory=list)
 
 
@@ -168,6 +169,7 @@ class Recorder:
                 continue
             if kind == "param":
                 info.wgrad = True
+                info.wgrad_bytes += grad.nbytes
                 self._check_waste(info, param_name, grad)
             elif kind == "activation":
                 info.dgrad = True
@@ -223,6 +225,7 @@ class Recorder:
             counts = own[info.module]
             counts.wgrad += int(info.wgrad)
             counts.dgrad += int(info.dgrad)
+            counts.wgrad_bytes += info.wgrad_bytes
             counts.backward_flops += info.flops
             counts.seconds += info.seconds
         for name, saved in self._saved_bytes.items():

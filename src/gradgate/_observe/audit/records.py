@@ -30,6 +30,7 @@ class ModuleRecord:
     dgrad: int = 0
     backward_flops: int = 0
     saved_bytes: int = 0
+    wgrad_bytes: int = 0  # the parameter gradients its wgrad nodes computed (rows: rows-sized)
     seconds: float = 0.0
 
     def add(self, other: ModuleRecord) -> None:
@@ -62,6 +63,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("dgrad", "dgrad", _count),
     Column("backward_flops", "backward FLOPs", _count),
     Column("saved_bytes", "saved bytes", _count),
+    # not in report.totals (their keys are a contract): a figure of each module's record
+    Column("wgrad_bytes", "wgrad bytes", _count, total=False),
     Column("seconds", "ms", _milliseconds, total=False),
 )
 HEADERS: tuple[str, ...] = ("module", "type", *(column.header for column in COLUMNS))

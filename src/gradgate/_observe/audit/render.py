@@ -6,15 +6,16 @@ JSON document::
      "totals": {"wgrad": int, "dgrad": int, "backward_flops": int, "saved_bytes": int},
      "forward_seen": bool, "backward_seen": bool,
      "modules": [{"name": str, "type": str, "leaf": bool, "wgrad": int, "dgrad": int,
-                  "backward_flops": int, "saved_bytes": int, "seconds": float}, ...],
+                  "backward_flops": int, "saved_bytes": int, "wgrad_bytes": int,
+                  "seconds": float}, ...],
      "outside": {same fields as a module},
      "wasted": [{"parameter": str, "module": str,
                  "reason": "late_freeze" | "not_in_optimizer", "flops": int}, ...],
      "uncounted_ops": [str, ...]}
 
 ``totals`` is derived (the root module's row) and written for readers; loading ignores it.
-``backward_seen`` and ``uncounted_ops`` (ops whose backward FLOPs no formula could count) may
-be missing in documents of older versions (read as true and empty).
+``backward_seen``, ``uncounted_ops`` (ops whose backward FLOPs no formula could count) and
+``wgrad_bytes`` may be missing in documents of older versions (read as true, empty and 0).
 """
 
 from __future__ import annotations
