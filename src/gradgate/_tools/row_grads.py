@@ -83,7 +83,10 @@ class RowsLink:
 
     def check(self, module: nn.Module, attribute: str) -> None:
         """Refuse a weight replaced, or made to learn whole, since ``learn_rows``."""
-        if module._parameters.get(attribute) is not self.weight:
+        weight = module._parameters.get(attribute)
+        if weight is not self.weight and sharded(weight):
+            raise RowsError(sharded_message(self.name))
+        if weight is not self.weight:
             raise RowsError(
                 f"the weight of {self.name!r} was replaced after gg.learn_rows (by "
                 "load_state_dict(assign=True), FSDP2's fully_shard, resize_token_embeddings, "
@@ -169,6 +172,23 @@ class RowsLink:
         size = self.weight.shape[0]
         padding_idx = -1 if padding is None else (padding + size if padding < 0 else padding)
         return _EmbeddingRows.apply(self.param, args[0], self, padding_idx, func, args, kwargs)
+
+
+def sharded(weight: object) -> bool:
+    """Whether a weight is FSDP2's (a DTensor) or DeepSpeed ZeRO-3's (partitioned)."""
+    return any(cls.__name__ == "DTensor" for cls in type(weight).__mro__) or hasattr(
+        weight, "ds_id"
+    )
+
+
+def sharded_message(name: str) -> str:
+    return (
+        f"the weight of {name!r} is sharded (FSDP2's fully_shard or DeepSpeed ZeRO-3): each "
+        "rank keeps only a slice of it between forwards and the sharding gathers a fresh full "
+        "copy for each forward, so learn_rows can neither write the rows into it in place nor "
+        "follow it from its module; expected a weight every rank holds whole. Learn rows with "
+        "DDP or on one device (gg.learn_rows before DDP(model))."
+    )
 
 
 def _linear_weight(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

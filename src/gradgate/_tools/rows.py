@@ -22,7 +22,16 @@ from .._plumbing.errors import InvalidOptionError, RowsError, UnknownModuleError
 from .._plumbing.handles import Handle
 from .._select.names import check_module, find_module
 from .freeze import _locations, _pop_flag, _push_flag
-from .row_grads import ATTRIBUTE, FoldRows, LoadRows, RowsForward, RowsLink, live_link
+from .row_grads import (
+    ATTRIBUTE,
+    FoldRows,
+    LoadRows,
+    RowsForward,
+    RowsLink,
+    live_link,
+    sharded,
+    sharded_message,
+)
 
 Rows = Iterable[int] | torch.Tensor
 
@@ -216,14 +225,8 @@ def _weight(name: str, module: nn.Module) -> nn.Parameter:
             "weight in place, which the rows parameter would not follow; expected "
             f"max_norm=None. Set model.get_submodule({name!r}).max_norm = None first."
         )
-    if any(cls.__name__ == "DTensor" for cls in type(weight).__mro__) or hasattr(weight, "ds_id"):
-        raise RowsError(
-            f"the weight of {name!r} is sharded (FSDP2's fully_shard or DeepSpeed ZeRO-3): "
-            "between forwards each rank holds only a slice of it, and the sharding "
-            "gathers a fresh full copy for each forward, so neither the rows' values nor "
-            "their gradient can be written into it in place. Learn rows with DDP or on one "
-            "device, or call gg.learn_rows before sharding and keep that module unsharded."
-        )
+    if sharded(weight):
+        raise RowsError(sharded_message(name))
     link = live_link(module)
     if link is not None and link.name != name:
         _tied_refusal(name, link.name, link)
