@@ -105,6 +105,8 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, weight_decay=0.1),
+    # fused kernels move no version counter: the step hook writes the weight all the same
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
 }
 
 
@@ -132,6 +134,7 @@ def test_the_other_rows_never_move_and_the_rows_follow_the_reference(
         assert torch.equal(weight[others], start[others])  # bit-identical
         assert not torch.equal(handle.parameter, start[ROWS])  # the rows did learn
         assert torch.equal(handle.parameter.detach(), ref_rows)
+        assert torch.equal(weight[ROWS], ref_rows)  # the weight holds them after each step
         state = [t for t in opt.state[handle.parameter].values() if t.dim()]
         assert state and all(t.shape == (len(ROWS), weight.shape[1]) for t in state)
         assert weight not in opt.state
@@ -351,3 +354,19 @@ def test_no_grad_and_a_frozen_rows_parameter_record_nothing() -> None:
         with gg.frozen(model, "model.embed_tokens"):
             loss_fn(model, batch).backward()
         assert handle.parameter.grad is None
+
+
+def test_another_optimizers_step_leaves_the_weight_as_a_pending_graph_needs_it() -> None:
+    """GAN-style: another model's optimizer steps between this model's forward and backward;
+    the tied head saved the weight for its input gradient, so it must not be written now."""
+    model, batch, loss_fn = gpt2(tied=True)
+    handle = gg.learn_rows(model, "transformer.wte", rows=ROWS)
+    other = nn.Linear(2, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with torch.no_grad():
+        handle.parameter.add_(1.0)  # changed since the last write: written at the forward
+    loss = loss_fn(model, batch)
+    other(torch.ones(1, 2)).sum().backward()
+    other_opt.step()
+    loss.backward()
+    assert handle.parameter.grad is not None

@@ -72,10 +72,10 @@ class RowsLink:
             found = self._on[key] = (rows, ordered, order)
         return found
 
-    def write(self) -> None:
-        """Write the rows parameter into the weight if it changed since the last write."""
-        version = self.param._version
-        if version != self.written:
+    def write(self, *, changed: bool = False) -> None:
+        """Write the rows parameter into the weight if it changed since the last write (its
+        version moved, or the caller knows: fused optimizers move no version counter)."""
+        if changed or self.param._version != self.written:
             with torch.no_grad():
                 rows = self.index(self.weight.device)[0]
                 self.weight.index_copy_(0, rows, self.param.detach().to(self.weight.dtype))
@@ -172,6 +172,20 @@ class RowsLink:
         size = self.weight.shape[0]
         padding_idx = -1 if padding is None else (padding + size if padding < 0 else padding)
         return _EmbeddingRows.apply(self.param, args[0], self, padding_idx, func, args, kwargs)
+
+
+class AfterStep:
+    """Global optimizer step post-hook: after a step of an optimizer holding the rows
+    parameter, the weight holds the rows (not after other optimizers' steps: another model's
+    graph may still need the weight as it is)."""
+
+    def __init__(self, link: RowsLink) -> None:
+        self.link = link
+
+    def __call__(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        param = self.link.param
+        if any(p is param for group in optimizer.param_groups for p in group["params"]):
+            self.link.write(changed=True)
 
 
 def sharded(weight: object) -> bool:

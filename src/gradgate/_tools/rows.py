@@ -24,6 +24,7 @@ from .._select.names import check_module, find_module
 from .freeze import _locations, _pop_flag, _push_flag
 from .row_grads import (
     ATTRIBUTE,
+    AfterStep,
     FoldRows,
     LoadRows,
     RowsForward,
@@ -172,8 +173,7 @@ def _apply(handle: RowsHandle, target: nn.Module, holders: list[tuple[nn.Module,
             handle._wrappers.append(wrapper)
     handle._hooks.append(target.register_state_dict_post_hook(FoldRows(link)))
     handle._hooks.append(target.register_load_state_dict_pre_hook(LoadRows(link)))
-    # after any optimizer's step the weight holds the rows (only if they changed: one check)
-    handle._hooks.append(register_optimizer_step_post_hook(lambda *_: link.write()))
+    handle._hooks.append(register_optimizer_step_post_hook(AfterStep(link)))
 
 
 def _on(ids: list[int], weight: torch.Tensor) -> torch.Tensor:
