@@ -4,11 +4,12 @@ the memory planner."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
 import torch
-from models import llama
+from models import gpt2, llama
 from test_memory_peak import lm_batch, real_peak
 from torch import nn
 
@@ -23,7 +24,8 @@ def test_under_a_depth_the_embedding_rows_never_learn_and_a_warning_says_so() ->
     model, batch, loss_fn = llama()
     handle = gg.learn_rows(model, EMBEDDING, rows=ROWS)
     gate = gg.BackpropGate(model, depth=2)
-    with pytest.warns(gg.PlanNotAppliedWarning, match=r"ran before a gate's cut set by a depth"):
+    message = r"used by 'model.embed_tokens' before a gate's cut set by a depth.*never learn"
+    with pytest.warns(gg.PlanNotAppliedWarning, match=message):
         loss_fn(model, batch).backward()
     assert handle.parameter.grad is None
     with warnings.catch_warnings():
@@ -32,6 +34,24 @@ def test_under_a_depth_the_embedding_rows_never_learn_and_a_warning_says_so() ->
         loss_fn(model, batch).backward()
     assert handle.parameter.grad is None
     gate.remove()
+
+
+def test_tied_rows_under_a_depth_learn_through_the_head_alone() -> None:
+    model, batch, loss_fn = gpt2(tied=True)
+    twin = copy.deepcopy(model)
+    with pytest.warns(gg.SharedParameterWarning), gg.backprop_depth(twin, 1):
+        loss = loss_fn(twin, batch)
+    loss.backward()
+    expected = twin.transformer.wte.weight.grad[ROWS]  # the head's use: after the cut
+    handle = gg.learn_rows(model, "transformer.wte", rows=ROWS)
+    message = r"used by 'transformer.wte' before.*they learn only through 'lm_head'"
+    with warnings.catch_warnings(record=True) as seen, gg.backprop_depth(model, 1):
+        warnings.simplefilter("always")
+        loss = loss_fn(model, batch)
+    assert {type(w.message) for w in seen} == {gg.PlanNotAppliedWarning, gg.SharedParameterWarning}
+    assert any(re.search(message, str(w.message)) for w in seen)
+    loss.backward()
+    torch.testing.assert_close(handle.parameter.grad, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_a_learning_set_naming_the_embedding_learns_its_rows_exactly() -> None:

@@ -18,12 +18,14 @@ its gradient from the call's output gradient:
   full one (MKL with several threads does), so this is exact to rounding, and bit for bit
   where the product of k rows sums as the full one does (one thread).
 
-The weight holds the rows' values at every forward: before a holder's forward, the rows are
-written into it if the rows parameter changed since the last write (its version counter), so
-the forward and every gradient through the weight are those of the plain model, and two
-forwards before one backward do not invalidate each other's graphs. ``state_dict()`` writes
-them too and leaves the rows parameter out (no new keys); ``load_state_dict`` of a plain
-checkpoint sets the rows parameter from the checkpoint's weight.
+The weight holds the rows' values: after each step of an optimizer that holds the rows
+parameter (a global step post-hook; fused optimizers move no version counter), and before a
+holder's forward if the rows parameter changed since the last write (its version counter: a
+write from outside an optimizer). So the forward and every gradient through the weight are
+those of the plain model, and two forwards before one backward do not invalidate each other's
+graphs. ``state_dict()`` writes them too and leaves the rows parameter out (no new keys);
+``load_state_dict`` of a plain checkpoint sets the rows parameter from the checkpoint's
+weight.
 
 A copy of the model (``copy.deepcopy``, ``pickle``, ``torch.save``) keeps learning its rows:
 its wrappers and hooks copy bound to the copy's own weight and rows parameter.
@@ -50,6 +52,7 @@ class RowsLink:
 
     def __init__(self, name: str, weight: nn.Parameter, rows: list[int], param: nn.Parameter):
         self.name, self.weight, self.param = name, weight, param
+        self.uses: list[str] = [name]  # the modules holding the weight (tied ones too)
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.written = param._version  # the rows parameter's version the weight holds
         self.warned = False
@@ -132,31 +135,39 @@ class RowsLink:
         return picked.t().mm(inputs)
 
     # -- the functional calls ------------------------------------------------------------
-    def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run a torch function called inside a holder's ``forward``: a call on the weight
-        gives the rows parameter its gradient when grad is on and the rows learn."""
+    def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], use: str) -> Any:
+        """Run a torch function called inside the ``forward`` of ``use`` (a module holding the
+        weight): a call on the weight gives the rows parameter its gradient when grad is on
+        and the rows learn."""
         embedding = func is F.embedding and len(args) > 1 and args[1] is self.weight
-        if embedding and self._learning():
+        if embedding and self._learning(use):
             return self._embedding(func, args, kwargs)
         linear = func is F.linear and _linear_weight(args, kwargs) is self.weight
-        if linear and self._learning():
+        if linear and self._learning(use):
             out = func(*args, **kwargs)
             x = args[0] if args else kwargs["input"]
             zero = _LinearRows.apply(self.param, x.detach(), self, out.shape, out.dtype)
             return out + zero
         return func(*args, **kwargs)
 
-    def _learning(self) -> bool:
+    def _learning(self, use: str) -> bool:
         if torch.is_grad_enabled():
             return self.param.requires_grad
         if not self.warned and before_a_depth_cut():
             self.warned = True
+            others = [name for name in self.uses if name != use]
+            then = (
+                f"they learn only through {', '.join(map(repr, others))}, where the weight is "
+                "tied, if that runs after the cut; for this use too,"
+                if others
+                else "they never learn under a depth;"
+            )
             warn(
-                f"the rows that gg.learn_rows learns in {self.name!r} ran before a gate's cut "
-                "set by a depth: a depth cuts at the input of its first learning block, and "
-                f"{self.name!r} runs before the blocks, so its rows get no gradient at any "
-                f"depth. Name it in a learning set (gate.learn = {{..., {self.name!r}}}), or "
-                "use depth=None, for the rows to learn.",
+                f"the rows that gg.learn_rows learns in {self.name!r} were used by {use!r} "
+                "before a gate's cut set by a depth: a depth cuts at the input of its first "
+                f"learning block, and {use!r} runs before the blocks, so this use gives the "
+                f"rows no gradient at any depth: {then} name {use!r} in a learning set "
+                f"(gate.learn = {{..., {use!r}}}) or use depth=None.",
                 PlanNotAppliedWarning,
             )
         return False
@@ -262,14 +273,14 @@ class _LinearRows(torch.autograd.Function):
 class _Follow(TorchFunctionMode):
     """The torch function mode active while a holder's ``forward`` runs."""
 
-    def __init__(self, link: RowsLink) -> None:
+    def __init__(self, link: RowsLink, use: str) -> None:
         super().__init__()
-        self.link = link
+        self.link, self.use = link, use
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        return self.link.follow(func, args, kwargs or {})
+        return self.link.follow(func, args, kwargs or {}, self.use)
 
 
 class RowsForward(_InstanceForward):
@@ -277,9 +288,9 @@ class RowsForward(_InstanceForward):
     runs the module's forward with its functional calls followed. Copies keep working, bound
     to the copy's own tensors."""
 
-    def __init__(self, module: nn.Module, link: RowsLink, attribute: str) -> None:
+    def __init__(self, module: nn.Module, link: RowsLink, attribute: str, use: str) -> None:
         super().__init__(module)
-        self.link, self.attribute = link, attribute
+        self.link, self.attribute, self.use = link, attribute, use
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
@@ -287,22 +298,23 @@ class RowsForward(_InstanceForward):
         link = self.link
         link.check(self.module, self.attribute)
         link.write()
-        with _Follow(link):
+        with _Follow(link, self.use):
             return self.inner(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_copied_forward, (self.module, self.link, self.attribute, self.previous))
+        state = (self.module, self.link, self.attribute, self.use, self.previous)
+        return (_copied_forward, state)
 
 
 def _copied_forward(
-    module: nn.Module, link: RowsLink, attribute: str, previous: Any
+    module: nn.Module, link: RowsLink, attribute: str, use: str, previous: Any
 ) -> RowsForward:
     """What a copy's ``forward`` becomes: a live wrapper bound to the copy's module and link
     (the module may still be filling in: nothing is read from it here)."""
     wrapper = RowsForward.__new__(RowsForward)
     wrapper.module, wrapper.previous, wrapper.live = module, previous, True
     wrapper.inner = previous if previous is not None else type(module).forward.__get__(module)
-    wrapper.link, wrapper.attribute = link, attribute
+    wrapper.link, wrapper.attribute, wrapper.use = link, attribute, use
     return wrapper
 
 

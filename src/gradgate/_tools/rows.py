@@ -144,6 +144,7 @@ def learn_rows(model: nn.Module, module: str | nn.Module, rows: Rows) -> RowsHan
     holders = _holders(model, name, weight)
     param = nn.Parameter(weight.detach().index_select(0, _on(ids, weight)).clone())
     link = RowsLink(name, weight, ids, param)
+    link.uses = list(dict.fromkeys(q.rpartition(".")[0] for q, _, _ in holders))
     handle = RowsHandle(name, link)
     try:
         _apply(handle, target, holders)
@@ -153,22 +154,25 @@ def learn_rows(model: nn.Module, module: str | nn.Module, rows: Rows) -> RowsHan
     return handle
 
 
-def _apply(handle: RowsHandle, target: nn.Module, holders: list[tuple[nn.Module, str]]) -> None:
+def _apply(
+    handle: RowsHandle, target: nn.Module, holders: list[tuple[str, nn.Module, str]]
+) -> None:
     link = handle._link
     weight = link.weight
     target.register_parameter(ATTRIBUTE, link.param)
     handle._module = target
-    for module, attribute in holders:
+    for _, module, attribute in holders:
         _push_flag(handle, module, attribute, False)
         handle._slots.append((module, attribute))
     if weight.grad is not None:  # earlier micro-batches: their rows' part carries on
         link.param.grad = weight.grad.index_select(0, _on(handle.rows, weight)).clone()
         weight.grad = None
     seen: set[int] = set()
-    for module, attribute in holders:
+    for qualified, module, attribute in holders:
         if id(module) not in seen:
             seen.add(id(module))
-            wrapper = RowsForward(module, link, attribute)
+            use = qualified.rpartition(".")[0]
+            wrapper = RowsForward(module, link, attribute, use)
             wrapper.install()
             handle._wrappers.append(wrapper)
     handle._hooks.append(target.register_state_dict_post_hook(FoldRows(link)))
@@ -240,7 +244,7 @@ def _weight(name: str, module: nn.Module) -> nn.Parameter:
     return weight
 
 
-def _holders(model: nn.Module, name: str, weight: nn.Parameter) -> list[tuple[nn.Module, str]]:
+def _holders(model: nn.Module, name: str, weight: nn.Parameter) -> list[tuple[str, nn.Module, str]]:
     """Every (module, attribute) holding the weight: the module itself and those tied to it."""
     found = _locations(model).get(id(weight), [])
     for qualified, module, attribute in found:
@@ -254,7 +258,7 @@ def _holders(model: nn.Module, name: str, weight: nn.Parameter) -> list[tuple[nn
                 "expected it tied only to embeddings and linear layers. Untie it, or learn the "
                 "whole weight."
             )
-    return [(module, attribute) for _, module, attribute in found]
+    return found
 
 
 def _tied_refusal(name: str, tied: str, link: RowsLink) -> None:
