@@ -250,9 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--out", default="gradgate-out/rows.json")
     options = parser.parse_args(argv)
-    size = SIZES["quick" if options.quick else "full"]
+    size = dict(SIZES["quick" if options.quick else "full"])
+    size.update({k: getattr(options, k) for k in ("batch", "seq") if getattr(options, k)})
     if options.threads:
         torch.set_num_threads(options.threads)
     command = "python -m gradgate._bench.rows " + " ".join(argv or sys.argv[1:])
