@@ -33,6 +33,7 @@ SECTIONS = [
     ("compile", "Where the graph starts: cuts and depth"),
     ("freeze", "Which parameters learn: freezing"),
     ("handles", "Which parameters learn: freezing"),
+    ("rows", "Which rows learn: new tokens"),
     ("transform", "How gradients are changed: transforms"),
     ("capture", "Inner gradients: capture"),
     ("audit", "What backward computed: audit"),

@@ -370,3 +370,28 @@ def test_another_optimizers_step_leaves_the_weight_as_a_pending_graph_needs_it()
     other_opt.step()
     loss.backward()
     assert handle.parameter.grad is not None
+
+
+def test_a_gradient_accumulated_before_learn_rows_carries_on_in_the_rows() -> None:
+    model, batch, loss_fn = llama()
+    reference = copy.deepcopy(model)
+    for _ in range(2):
+        loss_fn(reference, batch).backward()
+    loss_fn(model, batch).backward()  # the first micro-batch, before learn_rows
+    handle = gg.learn_rows(model, "model.embed_tokens", rows=ROWS)
+    assert model.model.embed_tokens.weight.grad is None  # no stale full gradient to step
+    loss_fn(model, batch).backward()
+    expected = reference.model.embed_tokens.weight.grad[ROWS]
+    assert torch.equal(handle.parameter.grad, expected)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_learns_its_rows_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 20))
+    reference = copy.deepcopy(model)
+    ids = torch.tensor([[1, 2, 3, 3]])
+    (expected,) = torch.autograd.grad(reference(ids).pow(2).sum(), [reference[0].weight])
+    with gg.learn_rows(model, "0", rows=[1, 3]) as handle:
+        torch.compile(model)(ids).pow(2).sum().backward()
+        assert torch.equal(handle.parameter.grad, expected[[1, 3]])

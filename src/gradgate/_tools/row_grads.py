@@ -33,6 +33,7 @@ its wrappers and hooks copy bound to the copy's own weight and rows parameter.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ from torch.overrides import TorchFunctionMode
 
 from .._cut.frames import before_a_depth_cut
 from .._plumbing.errors import PlanNotAppliedWarning, RowsError, warn
+from .._plumbing.frames_compile import opaque
 from .._plumbing.hooks import _InstanceForward
+from .._plumbing.torch_internals import eval_frame_callback, skip_frames
 
 ATTRIBUTE = "weight_rows"  # the rows parameter's name on the module
 
@@ -191,12 +194,15 @@ class AfterStep:
     graph may still need the weight as it is)."""
 
     def __init__(self, link: RowsLink) -> None:
-        self.link = link
+        self.link = weakref.ref(link)  # a model dropped with its handle never removed goes
 
     def __call__(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        param = self.link.param
+        link = self.link()
+        if link is None:
+            return
+        param = link.param
         if any(p is param for group in optimizer.param_groups for p in group["params"]):
-            self.link.write(changed=True)
+            link.write(changed=True)
 
 
 def sharded(weight: object) -> bool:
@@ -295,6 +301,13 @@ class RowsForward(_InstanceForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling() or eval_frame_callback():
+            # under torch.compile this module runs eagerly (a graph break): dynamo neither
+            # traces the mode nor the rows' autograd functions
+            return opaque(self._follow, *args, **kwargs)
+        return self._follow(*args, **kwargs)
+
+    def _follow(self, *args: Any, **kwargs: Any) -> Any:
         link = self.link
         link.check(self.module, self.attribute)
         link.write()
@@ -304,6 +317,9 @@ class RowsForward(_InstanceForward):
     def __reduce__(self) -> tuple[Any, ...]:
         state = (self.module, self.link, self.attribute, self.use, self.previous)
         return (_copied_forward, state)
+
+
+skip_frames(RowsForward.__call__)
 
 
 def _copied_forward(

@@ -10,6 +10,7 @@ their values, is in :mod:`.row_grads`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -56,7 +57,7 @@ class RowsHandle(Handle):
 
     @property
     def rows(self) -> list[int]:
-        """The learning rows, in the order of :attr:`parameter`'s rows."""
+        """The learning rows, in the order of the rows of ``parameter``."""
         return [int(row) for row in self._link.rows]
 
     @property
@@ -74,7 +75,7 @@ class RowsHandle(Handle):
         return {"rows": self._link.rows.clone(), "weight": self._link.param.detach().clone()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load rows saved by :meth:`state_dict` (the same rows, in the same order)."""
+        """Load rows saved by ``state_dict()`` (the same rows, in the same order)."""
         rows, values = state.get("rows"), state.get("weight")
         if not isinstance(rows, torch.Tensor) or rows.tolist() != self.rows:
             shown = rows.tolist() if isinstance(rows, torch.Tensor) else rows
@@ -177,7 +178,9 @@ def _apply(
             handle._wrappers.append(wrapper)
     handle._hooks.append(target.register_state_dict_post_hook(FoldRows(link)))
     handle._hooks.append(target.register_load_state_dict_pre_hook(LoadRows(link)))
-    handle._hooks.append(register_optimizer_step_post_hook(AfterStep(link)))
+    after_step = register_optimizer_step_post_hook(AfterStep(link))
+    handle._hooks.append(after_step)
+    weakref.finalize(link, after_step.remove)  # the global hook goes with the model
 
 
 def _on(ids: list[int], weight: torch.Tensor) -> torch.Tensor:
