@@ -177,3 +177,27 @@ def test_estimate_plans_a_learning_set_with_the_rows() -> None:
     learning = plan.rows[1]
     assert learning.grad_bytes == handle.parameter.nbytes
     assert learning.optimizer_bytes == 2 * handle.parameter.nbytes + 4
+
+
+def test_a_meta_model_is_planned_with_its_rows() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    gg.freeze(model, "**")
+    handle = gg.learn_rows(model, EMBEDDING, rows=list(range(31936, 32000)))
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    plan = gg.estimate(model, input_ids=ids, labels=ids, learn=[{0, 1, EMBEDDING}])
+    row = plan.rows[0]
+    assert handle.parameter.is_meta
+    assert row.grad_bytes == 64 * 64 * 4
+    assert row.optimizer_bytes == 2 * 64 * 64 * 4 + 4  # exp_avg, exp_avg_sq, the step

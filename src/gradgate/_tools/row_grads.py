@@ -62,6 +62,7 @@ class RowsLink:
         # made now, not in a training step: a planned step would count what it makes as kept
         self._on: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self.index(weight.device)
+        self.index(torch.device("cpu"))  # the planner's twin of a meta model: fake CPU tensors
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "written": -1}  # a copy writes at its first forward
