@@ -201,3 +201,23 @@ def test_a_meta_model_is_planned_with_its_rows() -> None:
     assert handle.parameter.is_meta
     assert row.grad_bytes == 64 * 64 * 4
     assert row.optimizer_bytes == 2 * 64 * 64 * 4 + 4  # exp_avg, exp_avg_sq, the step
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_and_its_memory_figures_hold(tmp_path) -> None:
+    import json
+
+    from gradgate._bench.sections import rows
+
+    out = tmp_path / "rows.json"
+    assert rows.main(["--quick", "--rounds", "1", "--micro", "2", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    figures = result["figures"]
+    size = result["size"]
+    state = 2 * 4 * size["vocab"] * size["hidden"]
+    assert [figures[m]["others_moved"] for m in rows.METHODS] == [True, True, False]
+    assert (
+        figures["gradient mask"]["optimizer_bytes"] == figures["full embedding"]["optimizer_bytes"]
+    )
+    assert figures["learn_rows"]["optimizer_bytes"] == 2 * 4 * size["rows"] * size["hidden"] + 4
+    assert figures["learn_rows"]["bytes_below_full"] >= state  # accumulation: the gradient too

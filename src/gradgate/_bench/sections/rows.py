@@ -17,7 +17,7 @@ forward (the model's tensors included; on CUDA ``torch.cuda.max_memory_allocated
 gradient and optimizer-state bytes after a step; and whether any row other than the new ones
 moved. Ratios are to the full-embedding run, measured in the same process.
 
-Run: ``python -m gradgate._bench.rows`` (``--quick`` for a small vocabulary); writes
+Run: ``python -m gradgate._bench.sections.rows`` (``--quick`` for a small vocabulary); writes
 ``gradgate-out/rows.json``.
 """
 
@@ -39,8 +39,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradgate as gg
 
-from .._plumbing.autograd import tensors_in
-from .._plumbing.torch_internals import TorchDispatchMode
+from ..._plumbing.autograd import tensors_in
+from ..._plumbing.torch_internals import TorchDispatchMode
 
 METHODS = ("full embedding", "gradient mask", "learn_rows")
 SIZES: dict[str, dict[str, int]] = {
@@ -242,7 +242,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.rows")
+    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.sections.rows")
     parser.add_argument("--quick", action="store_true", help="a 4k vocabulary, seconds")
     parser.add_argument("--rounds", type=int, default=15, help="timed steps per method")
     parser.add_argument(
@@ -258,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     size.update({k: getattr(options, k) for k in ("batch", "seq") if getattr(options, k)})
     if options.threads:
         torch.set_num_threads(options.threads)
-    command = "python -m gradgate._bench.rows " + " ".join(argv or sys.argv[1:])
+    command = "python -m gradgate._bench.sections.rows " + " ".join(argv or sys.argv[1:])
     results = []
     print(
         f"{size} on {options.device}, torch {torch.__version__}, {options.rounds} rounds, "
