@@ -173,3 +173,13 @@ def test_a_weight_replaced_or_unfrozen_after_learn_rows_is_an_error_at_the_forwa
     model.model.embed_tokens.load_state_dict(state, strict=False, assign=True)
     with pytest.raises(gg.RowsError, match=r"was replaced after gg.learn_rows"):
         model(**batch)
+
+
+def test_resizing_the_embedding_after_learn_rows_is_an_error_at_the_forward() -> None:
+    """HF resizes in place (the same module and weight object, new data) and sets the module's
+    parameters' requires_grad from the weight's: the rows would silently stop learning."""
+    model, batch, _ = llama()
+    gg.learn_rows(model, "model.embed_tokens", rows=[5])
+    model.resize_token_embeddings(120, mean_resizing=False)
+    with pytest.raises(gg.RowsError, match=r"was resized after gg.learn_rows, from \(97, 32\) to"):
+        model(**batch)

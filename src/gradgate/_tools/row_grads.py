@@ -56,6 +56,7 @@ class RowsLink:
     def __init__(self, name: str, weight: nn.Parameter, rows: list[int], param: nn.Parameter):
         self.name, self.weight, self.param = name, weight, param
         self.uses: list[str] = [name]  # the modules holding the weight (tied ones too)
+        self.shape = tuple(weight.shape)
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.written = param._version  # the rows parameter's version the weight holds
         self.warned = False
@@ -99,6 +100,14 @@ class RowsLink:
                 "load_state_dict(assign=True), FSDP2's fully_shard, resize_token_embeddings, "
                 "...), so its rows can no longer be followed; expected the weight learn_rows "
                 "was given. Remove the handle before replacing the weight, then call "
+                "gg.learn_rows again."
+            )
+        if tuple(self.weight.shape) != self.shape:
+            raise RowsError(
+                f"the weight of {self.name!r} was resized after gg.learn_rows, from "
+                f"{self.shape} to {tuple(self.weight.shape)} (resize_token_embeddings, which "
+                "also sets the module's parameters' requires_grad); expected the shape learn_rows "
+                "saw. Remove the handle first (it writes the rows back), resize, then call "
                 "gg.learn_rows again."
             )
         if self.weight.requires_grad:
