@@ -387,3 +387,52 @@ def test_a_container_of_the_blocks_or_a_too_small_budget_is_refused() -> None:
     ):
         Importance(["0", "1", "2"]).apply(gate, 0)
     gate.remove()
+
+
+# -- a loop that forgets observe() -------------------------------------------------------------
+def test_a_loop_without_observe_warns_once_when_the_next_window_starts() -> None:
+    net = pairs(4)
+    gate = gg.BackpropGate(net)
+    sched = Importance(["*.0", "*.2"], budget=0.25, every=2, seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with pytest.warns(gg.NoBackwardWarning) as record:
+        for step in range(30):
+            sched.apply(gate, step)  # the hand-written loop forgets sched.observe(net)
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(record) == 1  # once, not at every window
+    message = str(record[0].message)
+    assert "window of steps 0-1 ran with no Importance.observe()" in message
+    assert "every score stays None and the draw is uniform" in message
+    assert "call sched.observe(model) after backward()" in message
+    assert "GateCallback" in message  # or let the trainer callbacks call it
+    assert record[0].filename == __file__  # attributed to the loop's line
+    assert set(sched.scores.values()) == {None}
+    gate.remove()
+
+
+def test_observe_at_each_step_or_once_per_window_or_no_training_warns_nothing() -> None:
+    net = pairs(4)
+    gate = gg.BackpropGate(net)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for every, observed in ((1, range(12)), (3, range(2, 12, 3))):
+            sched = Importance(["*.0", "*.2"], budget=0.25, every=every, seed=0)
+            for step in range(12):
+                sched.apply(gate, step)
+                net(x).sum().backward()
+                if step in observed:  # once per window is enough (gradient accumulation)
+                    sched.observe(net)
+                net.zero_grad(set_to_none=True)
+        planning = Importance(["*.0", "*.2"], budget=0.25, seed=0)
+        for step in range(12):  # draws looked at, nothing trained: nothing to observe
+            planning.apply(gate, step)
+        resumed = Importance(["*.0", "*.2"], budget=0.25, every=3, seed=0)
+        resumed.apply(gate, 0)
+        net(x).sum().backward()
+        resumed.load_state_dict(sched.state_dict())  # a resumed run starts a fresh count
+        resumed.apply(gate, 12)
+    gate.remove()

@@ -130,5 +130,8 @@ def test_importance_sampled_modules() -> None:
     def plan(gate: gg.BackpropGate, step: int, micro: int) -> None:
         next(schedules).apply(gate, step)
 
-    _, _, resting = run_pair(plan, 8)  # (no observe(): the draws need not follow gradients here)
+    # no observe(): the draws need not follow the gradients here, and each schedule says so once
+    with pytest.warns(gg.NoBackwardWarning, match=r"ran with no Importance.observe\(\)") as said:
+        _, _, resting = run_pair(plan, 8)
+    assert len(said) == 2
     assert len(set(resting)) > 2  # modules, not whole blocks, came and went

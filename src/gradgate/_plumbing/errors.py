@@ -143,7 +143,9 @@ class BlockCallWarning(GradgateWarning):
 
 
 class NoBackwardWarning(GradgateWarning):
-    """An audit saw a forward that built a graph but no backward: its gradient counts are 0."""
+    """Gradients were expected and none were read: an audit saw a forward that built a graph
+    but no backward (its gradient counts are 0), or ``Importance`` saw a training window with
+    no ``observe()`` (its scores do not follow the gradients)."""
 
 
 class PlanNotAppliedWarning(GradgateWarning):

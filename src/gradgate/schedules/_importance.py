@@ -47,7 +47,8 @@ class Importance(Schedule):
     The score of a module is an exponential moving average (weight ``decay`` on the past) of its
     gradient's root mean square, ``||g|| / sqrt(numel)``, read by :meth:`observe` after each
     backward from the modules that learned; a module not observed yet counts as the best one
-    observed, so each is tried early. The trainer callbacks call :meth:`observe`. A draw
+    observed, so each is tried early. The trainer callbacks call :meth:`observe`; a window in
+    which the gated model ran with no :meth:`observe` warns once (``NoBackwardWarning``). A draw
     depends on the seed, the window and the scores at the window's first :meth:`apply`; it is
     kept for the window, and :meth:`state_dict` saves scores, pick counts and the current
     draw, so a resumed run continues exactly.
@@ -104,6 +105,11 @@ class Importance(Schedule):
         self._drawn: tuple[str, ...] = ()
         self._step: int | None = None
         self._undo: dict[str, tuple[float | None, int]] | None = None
+        # a loop that forgets observe(): the gate's forward count at the window's start, and
+        # whether observe() ran since (see _check_observed)
+        self._window_forwards: int | None = None
+        self._observed = False
+        self._said_unobserved = False
 
     # -- what users read -----------------------------------------------------------------------
     @property
@@ -136,6 +142,8 @@ class Importance(Schedule):
         drawn = self._drawn if window == self._window else self._draw(window)
         plan = self._plan_of(drawn)
         plan.apply(gate)
+        if window != self._window:
+            self._check_observed(gate)
         if step != self._step:
             for name in drawn:
                 self._picks[name] += 1
@@ -143,6 +151,32 @@ class Importance(Schedule):
         self._window, self._drawn, self._step = window, drawn, step
         self.next_step = step + 1
         return plan
+
+    def _check_observed(self, gate: Gate) -> None:
+        """A window starts: warn (once) if the last one trained with no observe(), which
+        leaves the scores where they were (``None`` at first: the draw stays uniform)."""
+        forwards = getattr(gate, "_forwards", None)  # the gated model's forwards so far
+        trained = forwards is None or forwards != self._window_forwards
+        last, self._window_forwards = self._window, forwards
+        observed, self._observed = self._observed, False
+        if last is None or observed or not trained or self._said_unobserved:
+            return
+        self._said_unobserved = True
+        first = last * self.every
+        span = f"step {first}" if self.every == 1 else f"the window of steps {first}-"
+        span += "" if self.every == 1 else f"{first + self.every - 1}"
+        effect = (
+            "every score stays None and the draw is uniform"
+            if all(score is None for score in self._ema.values())
+            else "the scores stop following the gradients"
+        )
+        warn(
+            f"{span} ran with no Importance.observe(): the schedule never read its gradients, "
+            f"so {effect}. In a hand-written loop call sched.observe(model) after backward() "
+            "and before zero_grad(), once per step; the trainer callbacks (GateCallback in "
+            "gradgate.integrations.transformers and .lightning) call it. Said once.",
+            NoBackwardWarning,
+        )
 
     def _plan(self, step: int) -> Plan:
         """The applied window's draw; for another window the draw the scores give now."""
@@ -200,6 +234,7 @@ class Importance(Schedule):
                 f"{type(self._model).__name__}, which that model neither is nor contains; "
                 "pass the gated model."
             )
+        self._observed = True
         for name, (score, seen) in (self._undo or {}).items():  # a second call replaces
             self._ema[name], self._seen[name] = score, seen
         self._undo = {}
@@ -331,6 +366,7 @@ class Importance(Schedule):
             picks.setdefault(name, 0)
         self._ema, self._seen, self._picks = scores, seen, picks
         self._window, self._drawn, self._step, self._undo = window, drawn, step, None
+        self._observed = True  # the count starts afresh with the resumed run
 
     def _config(self) -> dict[str, Any]:
         return {
