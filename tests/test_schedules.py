@@ -217,6 +217,38 @@ def test_apply_to_a_gate_of_another_size_raises() -> None:
         RandomDepth(6).apply(gate, 0)
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        *every_schedule(),
+        gg.schedules.BAdam(N, 2),
+        gg.schedules.Importance(["*"], budget=0.5),
+        Plan(depth=1),
+    ],
+    ids=lambda s: type(s).__name__,
+)
+@pytest.mark.parametrize("wrong", ["model", "stop_gradient_at", "None"])
+def test_apply_to_a_model_instead_of_its_gate_says_pass_the_gate(schedule, wrong: str) -> None:
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])
+    before = dict(net.__dict__)
+    handle = gg.stop_gradient_at(net, "3") if wrong == "stop_gradient_at" else None
+    given = {"model": net, "stop_gradient_at": handle, "None": None}[wrong]
+    shown = {"model": "a Sequential", "None": "None"}.get(wrong, r"<gradgate.StopGradient")
+    name = type(schedule).__name__
+    message = (
+        rf"{name}.apply\(gate={shown}.*\): expected the gradgate.BackpropGate that drives the "
+        r"model; pass the gate: gate = gg.BackpropGate\(model\), then "
+    )
+    args = () if isinstance(schedule, Plan) else (0,)
+    with pytest.raises(gg.InvalidOptionError, match=message):
+        schedule.apply(given, *args)
+    if handle is not None:
+        handle.remove()
+    assert net.__dict__ == before
+    if not isinstance(schedule, Plan):
+        assert schedule.next_step == 0  # nothing counted
+
+
 def test_a_plan_that_does_not_fit_leaves_the_gate_as_it_was() -> None:
     net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
     with gg.BackpropGate(net) as gate:

@@ -28,7 +28,7 @@ from ._candidates import (
     temperature_option,
     tempered,
 )
-from ._plan import Gate, Plan, Schedule
+from ._plan import Gate, Plan, Schedule, require_gate
 
 
 class Importance(Schedule):
@@ -136,6 +136,7 @@ class Importance(Schedule):
     def apply(self, gate: Gate, step: int | None = None) -> Plan:
         """Draw (or keep, within a window) the modules that learn at ``step`` and set them on
         ``gate``; without ``step``, ``next_step``."""
+        require_gate(gate, "Importance")
         self._bind(gate)
         step = self.next_step if step is None else count_option("step", step, low=0)
         window = step // self.every

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from .._cut.gate import BackpropGate
 from .._cut.stacks import outside_modules
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import count_option, integer_option
@@ -60,6 +61,7 @@ class Plan:
 
     def apply(self, gate: Gate) -> None:
         """Set this plan on a gate (one field write each); all of it or, on error, none."""
+        require_gate(gate, "Plan", "plan.apply(gate)")
         before = Plan(depth=gate.depth, learn=gate.learn, skip=gate.skip)
         try:
             self._write(gate)
@@ -137,6 +139,7 @@ class Schedule:
         Without ``step`` the schedule counts itself: ``next_step`` (saved by
         :meth:`state_dict`), then one more on each call.
         """
+        require_gate(gate, type(self).__name__)
         self._check_gate(gate)
         self._bind(gate)
         step = self.next_step if step is None else step
@@ -230,6 +233,19 @@ class Schedule:
 
 
 Schedule.__module__ = "gradgate.schedules"  # documented as gg.schedules.Schedule
+
+
+def require_gate(gate: object, owner: str, call: str = "sched.apply(gate, step)") -> None:
+    """Refuse what is not a :class:`gradgate.BackpropGate` (the model itself, most often)
+    before anything reads it or counts a step."""
+    if isinstance(gate, BackpropGate):
+        return
+    text = repr(gate)
+    shown = text if "\n" not in text and len(text) <= 60 else f"a {type(gate).__name__}"
+    raise InvalidOptionError(
+        f"{owner}.apply(gate={shown}): expected the gradgate.BackpropGate that drives the "
+        f"model; pass the gate: gate = gg.BackpropGate(model), then {call}."
+    )
 
 
 def around_blocks(gate: Any) -> frozenset[str]:
