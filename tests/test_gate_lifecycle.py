@@ -294,3 +294,27 @@ def test_a_pickled_gated_model_names_only_what_every_release_names() -> None:
     assert twin(torch.ones(1, 2)).shape == (1, 2)
     handle.undo()
     gate.remove()
+
+
+def _tensor_hooks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    found = {}
+    for name, p in model.named_parameters():
+        post = getattr(p, "_post_accumulate_grad_hooks", None)
+        found[name] = (len(p._backward_hooks or {}), len(post or {}))
+    return found
+
+
+def test_a_plan_change_that_no_backward_reaches_leaves_no_tensor_hook_after_remove() -> None:
+    """The watch on the last block's parameter that a plan change sets (for a backward of a
+    forward run under the old plan) comes off with the gate, and is never set twice."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(block), nn.Linear(3, 1)).eval()
+    before = _tensor_hooks(model)
+    gate = gg.BackpropGate(model, "1.*")
+    for depth in (None, 0, None, 0, None, 0):
+        gate.depth = depth
+        model(torch.randn(2, 3)).sum().backward()
+    assert max(_tensor_hooks(model)["1.0.0.weight"]) <= 1
+    gate.remove()
+    assert _tensor_hooks(model) == before

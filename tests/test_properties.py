@@ -176,3 +176,121 @@ def test_exceptions_mid_forward_leave_no_trace(
         wire.armed = False
         gate.remove()
         assert snapshot(model) == before
+
+
+# -- the no-trace contract over plan changes, forwards and backwards -----------------------------
+def full_snapshot(model: nn.Module) -> tuple[object, ...]:
+    """Everything a gate may touch, exactly: every module hook dict (the hooks themselves, not
+    their counts), each parameter's tensor hooks and requires_grad, training flags, what each
+    module holds in its __dict__ (a forward attribute), and grad mode."""
+    hook_dicts = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_forward_hooks_always_called",
+        "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_load_state_dict_pre_hooks",
+    )
+    modules = [
+        (
+            m.training,
+            [dict(getattr(m, d)) for d in hook_dicts],
+            sorted(m.__dict__),
+            m.__dict__.get("forward"),
+        )
+        for m in model.modules()
+    ]
+    params = [
+        (
+            p.requires_grad,
+            dict(p._backward_hooks or {}),
+            dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}),
+        )
+        for p in model.parameters()
+    ]
+    return torch.is_grad_enabled(), modules, params
+
+
+@st.composite
+def plans(draw: st.DrawFn, n: int, names: list[str]) -> tuple[str, object]:
+    """One plan change: a depth (or None), a learning set of positions and names, a skip set."""
+    kind = draw(st.sampled_from(["depth", "learn", "skip", "none"]))
+    if kind == "depth":
+        return kind, draw(st.integers(0, n))
+    if kind == "learn":
+        positions = draw(st.sets(st.integers(0, n - 1), max_size=n))
+        return kind, positions | draw(st.sets(st.sampled_from(names), max_size=2))
+    if kind == "skip":
+        return kind, draw(st.sets(st.integers(0, n - 1), max_size=n))
+    return kind, None
+
+
+@st.composite
+def steps(draw: st.DrawFn, n: int, names: list[str]) -> list[tuple[object, ...]]:
+    return draw(
+        st.lists(
+            st.tuples(
+                plans(n, names),
+                st.sampled_from(["backward", "forward only", "no_grad"]),
+                st.booleans(),  # the model in train mode for this step
+            ),
+            min_size=1,
+            max_size=6,
+        )
+    )
+
+
+def plain_block(kind: str) -> nn.Module:
+    """A block with no Tripwire (this test raises nothing) that keeps its input's shape."""
+    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH)]
+    if kind == "norm":
+        layers.append(nn.BatchNorm1d(WIDTH))
+    if kind == "dropout":
+        layers.append(nn.Dropout(0.3))
+    layers.append(nn.Tanh())
+    body = nn.Sequential(*layers)
+    return Residual(body) if kind == "residual" else body
+
+
+@PROPERTY
+@given(kinds=st.lists(block_kinds, min_size=1, max_size=4), data=st.data())
+def test_any_plan_sequence_then_remove_leaves_no_trace(kinds: list[str], data) -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, WIDTH), nn.Sequential(*[plain_block(k) for k in kinds]), nn.Linear(WIDTH, 2)
+    ).train(data.draw(st.booleans()))
+    before = full_snapshot(model)
+    # named learners: the stem, the head and the layers inside the blocks
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    gate = gg.BackpropGate(model, "1.*")
+    with warnings.catch_warnings():
+        # what the plans warn of (nothing learns, a plan set after a forward) is not the point
+        warnings.simplefilter("ignore", gg.GradgateWarning)
+        for (kind, value), run, train in data.draw(steps(len(kinds), names)):
+            if kind == "depth":
+                gate.depth = value
+            elif kind == "learn":
+                gate.learn = value or None
+            elif kind == "skip":
+                gate.skip = value
+            else:
+                gate.depth = None
+                gate.skip = None
+            model.train(train)
+            try:
+                with torch.set_grad_enabled(run != "no_grad"):
+                    loss = model(torch.randn(4, 3)).pow(2).mean()
+            except gg.BlockCallError:  # a skipped block with no residual path: refused
+                assert any(kinds[i] != "residual" for i in gate.skip)
+                continue
+            if run == "backward" and loss.requires_grad:
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+    model.train(before[1][0][0])  # the mode it had: the steps set it, the gate must not
+    gate.remove()
+    assert full_snapshot(model) == before

@@ -112,6 +112,7 @@ class _Cut(BlockHooks, Handle):
         self._planned_at = 0  # _forwards at the last change of plan
         self._changed: tuple[Any, int] | None = None  # the plan before a change, _forwards then
         self._unheld: list[Any] = []  # graph nodes of the last forward with nothing held (depth 0)
+        self._watch_hook: Any = None  # a parameter's hook set by a plan change (see there)
         self._input_unseen = True  # the first forward with grad looks for a graph on its input
         self._entered_at: int | None = None  # _forwards when a `with` block entered
         self._warns_unused = False  # backprop_depth / stop_gradient_at: a `with` block is its use
@@ -337,8 +338,14 @@ class _Cut(BlockHooks, Handle):
             if param is not None:
                 break
         mark = internals.hooks_registered()
-        call_at_backward(watch, unheld, param)
+        self._drop_watch_hook()  # one at a time: the last change's, if no backward reached it
+        self._watch_hook = call_at_backward(watch, unheld, param)
         self._hooks.registered_since(mark)  # the gate's own: no module's hooks to look at
+
+    def _drop_watch_hook(self) -> None:
+        hook, self._watch_hook = self._watch_hook, None
+        if hook is not None:
+            hook.remove()  # does nothing if a backward took it off already
 
     def _backward_after_change(self) -> None:
         changed, self._changed, self._held.watch = self._changed, None, None
@@ -402,6 +409,7 @@ class _Cut(BlockHooks, Handle):
 
     def _remove_hooks(self) -> None:
         self._unheld = []
+        self._drop_watch_hook()
         if self._assignments is not None:
             self._assignments.remove()
         for frame in [f for f in open_frames() if f.gate is self]:

@@ -119,24 +119,27 @@ def call_at_backward(
     callback: weakref.WeakMethod[Callable[[], None]],
     nodes: Iterable[Any] = (),
     param: nn.Parameter | None = None,
-) -> None:
+) -> Any:
     """Have ``callback`` called when a backward reaches one of the autograd ``nodes`` (their
     hooks go with their graph) or ``param`` (its hook comes off when that backward ends). Held
-    weakly: a graph may outlive the gate that watches it."""
+    weakly: a graph may outlive the gate that watches it. Returns the handle of ``param``'s
+    hook (``None`` without one): a backward may never reach it, and the caller removes it."""
 
     def reached(*grads: Any) -> None:
         _call(callback)
 
     for node in nodes:
         node.register_prehook(reached)
-    if param is not None:
-        handles: list[Any] = []
+    if param is None:
+        return None
+    handles: list[Any] = []
 
-        def once(grad: torch.Tensor) -> None:
-            queue_after_backward(handles[0].remove)  # not while autograd runs the hooks
-            reached()
+    def once(grad: torch.Tensor) -> None:
+        queue_after_backward(handles[0].remove)  # not while autograd runs the hooks
+        reached()
 
-        handles.append(param.register_hook(once))
+    handles.append(param.register_hook(once))
+    return handles[0]
 
 
 def _call(callback: weakref.WeakMethod[Callable[[], None]]) -> None:
