@@ -226,6 +226,62 @@ def test_nested_gates_on_a_model_inside_a_model() -> None:
         assert torch.is_grad_enabled()
 
 
+def test_a_second_gate_on_the_same_blocks_is_refused_with_the_fix() -> None:
+    """A notebook cell run twice: BackpropGate(llama) with depth 1, then with depth 3."""
+    from models import llama
+
+    model, batch, loss_fn = llama(layers=4)
+    first = gg.BackpropGate(model, depth=1)
+    hooks = [(dict(m._forward_pre_hooks), m.__dict__.get("forward")) for m in model.modules()]
+    message = (
+        "LlamaForCausalLM already has a gate on the same blocks ('model.layers.0', ...): "
+        "<gradgate.BackpropGate depth=1 of 4 blocks>. A second one would cut too (only the "
+        "blocks both let learn would learn); a re-run notebook cell makes one. Change the "
+        "first gate's plan (gate.depth = 3), or remove it first (gate.remove()), then gate "
+        "again."
+    )
+    for again in (
+        lambda: gg.BackpropGate(model, depth=3),
+        lambda: gg.BackpropGate(model, "model.layers.2:4", depth=3),  # some of the same blocks
+        lambda: gg.backprop_depth(model, 3),
+    ):
+        with pytest.raises(gg.AlreadyGatedError, match=re.escape(message)):
+            again()
+    assert [(dict(m._forward_pre_hooks), m.__dict__.get("forward")) for m in model.modules()] == (
+        hooks
+    )  # nothing half-applied
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_fn(model, batch).backward()
+    learned = {n.split(".")[2] for n, p in model.named_parameters() if p.grad is not None
+               and n.startswith("model.layers.")}  # fmt: skip
+    assert learned == {"3"}  # the first gate, as it was
+    first.remove()
+    gg.BackpropGate(model, depth=3).remove()  # once removed, a new gate is welcome
+    gg.BackpropGate(copy_of(model), depth=3).remove()  # a copy has no gate
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_gates_on_other_blocks_or_modules_of_a_gated_model_still_compose() -> None:
+    torch.manual_seed(0)
+    stack = [nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)]) for _ in range(2)]
+    model = nn.Sequential(nn.Linear(2, 2), *stack, nn.Linear(2, 1))
+    with (
+        gg.backprop_depth(model, 2, "1.*"),
+        gg.backprop_depth(model, 1, "2.*"),  # the same model, other blocks
+        gg.backprop_depth(model[2], 3),  # a gate inside: the same blocks, another model
+        gg.stop_gradient_at(model, "2.2"),  # a cut at one of the gated blocks
+    ):
+        model(torch.randn(3, 2)).sum().backward()
+    learned = {n.rpartition(".")[0] for n, p in model.named_parameters() if p.grad is not None}
+    assert learned == {"2.2", "3"}  # nothing before any of the cuts
+
+
 @pytest.mark.parametrize(
     ("depth", "message"),
     [

@@ -46,6 +46,22 @@ def test_driver_rejects_bad_arguments() -> None:
     driver.detach()
 
 
+def test_a_callback_on_a_model_gated_already_says_to_give_it_that_gate() -> None:
+    from gradgate.integrations import Driver
+
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(N)])
+    gate = gg.BackpropGate(net, depth=2)
+    driver = Driver(gg.schedules.RandomDepth(N), None, blocks=None, log=True, drop_state=True)
+    with pytest.raises(
+        gg.AlreadyGatedError,
+        match=r"Sequential already has a gate on the same blocks \('0', \.\.\.\).* Or give "
+        r"that gate to the callback: GateCallback\(schedule, gate=gate\)\.",
+    ):
+        driver.attach(net)
+    assert driver.gate is None and gate.depth == 2
+    gate.remove()
+
+
 def test_hf_callback_freeze_for_step_must_be_a_bool() -> None:
     transformers_callback = pytest.importorskip("gradgate.integrations.transformers")
     sched = gg.schedules.RandomDepth(N)

@@ -9,6 +9,7 @@ import gradgate as gg
 
 PUBLIC = [
     "AlreadyFrozenError",
+    "AlreadyGatedError",
     "AmbiguousBlocksError",
     "AmbiguousNameError",
     "AuditNotReadyError",

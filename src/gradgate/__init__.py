@@ -60,6 +60,7 @@ from ._observe.explain import explain
 # errors and warnings
 from ._plumbing.errors import (
     AlreadyFrozenError,
+    AlreadyGatedError,
     AmbiguousBlocksError,
     AmbiguousNameError,
     AuditNotReadyError,
@@ -112,6 +113,7 @@ def __getattr__(name: str) -> _Any:
 
 __all__ = [
     "AlreadyFrozenError",
+    "AlreadyGatedError",
     "AmbiguousBlocksError",
     "AmbiguousNameError",
     "AuditNotReadyError",

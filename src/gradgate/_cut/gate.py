@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor, nn
 
-from .._plumbing.errors import InvalidDepthError
+from .._plumbing.errors import AlreadyGatedError, InvalidDepthError
+from .._plumbing.hooks import ForwardGuard, _InstanceForward
 from .._select.names import (
     Pattern,
     check_module,
@@ -54,6 +55,7 @@ class BackpropGate(_Cut):
         if depth is None:
             _refuse_depth_as_blocks(blocks)
         points = resolve_blocks(model, blocks)
+        _refuse_a_second_gate(model, points, depth)
         depth = _validate_depth(depth, len(points), type(model).__name__)
         if not isinstance(check_ranks, bool):
             raise InvalidDepthError(f"check_ranks={check_ranks!r}; expected True or False.")
@@ -286,6 +288,37 @@ def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
             f"0..{n} (0: only what runs after the last block learns) or None (no cut)."
         )
     return value
+
+
+def _refuse_a_second_gate(
+    model: nn.Module, points: list[tuple[str, nn.Module]], depth: object
+) -> None:
+    """A live gate of ``model`` that plans over some of the same blocks (a notebook cell run
+    again): two plans for one block compose into one nobody wrote. Gates of other blocks of the
+    model, or of a module inside it, compose as documented and stay allowed."""
+    mine = {id(module) for _, module in points}
+    wrapper = model.__dict__.get("forward")
+    while isinstance(wrapper, _InstanceForward):
+        if isinstance(wrapper, ForwardGuard) and wrapper.live:
+            gate = getattr(wrapper.enter.function, "__self__", None)
+            if (
+                isinstance(gate, BackpropGate)
+                and gate.active
+                and any(id(module) in mine for _, module in gate._points)
+            ):
+                _already_gated(model, gate, depth)
+        wrapper = wrapper.previous
+
+
+def _already_gated(model: nn.Module, gate: BackpropGate, depth: object) -> None:
+    first = gate._points[0][0]
+    more = ", ..." if len(gate._points) > 1 else ""
+    raise AlreadyGatedError(
+        f"{type(model).__name__} already has a gate on the same blocks ({first!r}{more}): "
+        f"{gate!r}. A second one would cut too (only the blocks both let learn would learn); "
+        f"a re-run notebook cell makes one. Change the first gate's plan (gate.depth = "
+        f"{depth!r}), or remove it first (gate.remove()), then gate again."
+    )
 
 
 def _refuse_depth_as_blocks(blocks: object) -> None:

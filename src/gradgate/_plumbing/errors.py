@@ -49,6 +49,10 @@ class AlreadyFrozenError(GradgateError):
     """A parameter is already frozen by another live gradgate handle."""
 
 
+class AlreadyGatedError(GradgateError):
+    """A second gate on blocks that a live gate of the same model already plans over."""
+
+
 class HandleUsedError(GradgateError):
     """A handle was entered (``with``) after it was undone, or while already entered."""
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .._cut.gate import BackpropGate
-from .._plumbing.errors import InvalidOptionError, MissingExtraError
+from .._plumbing.errors import AlreadyGatedError, InvalidOptionError, MissingExtraError
 from .._select.names import Pattern
 from ..optim import drop_finished
 from ..schedules import Plan, Schedule
@@ -93,7 +93,11 @@ class Driver:
         if self.gate is not None and self.gate.active:
             _require_same_model(self.gate._model, model)
         if self.gate is None or not self.gate.active:
-            self.gate = BackpropGate(model, self.blocks)
+            try:
+                self.gate = BackpropGate(model, self.blocks)
+            except AlreadyGatedError as error:  # the user's own gate: the callback can use it
+                hint = "Or give that gate to the callback: GateCallback(schedule, gate=gate)."
+                raise AlreadyGatedError(f"{error} {hint}") from None
             self.owns_gate = True
         self.schedule._check_gate(self.gate)
 
