@@ -156,3 +156,66 @@ def test_a_gate_of_another_size_is_refused() -> None:
     with pytest.raises(gg.InvalidOptionError, match=r"plans over 3 blocks but the gate has 4"):
         BAdam(3, 2).apply(gate, 0)
     gate.remove()
+
+
+# -- a weight tied between a block and the head ------------------------------------------------
+def tied_gpt2(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny GPT-2 whose head shares its weight with block 0's MLP output projection (a
+    (128, 32) matrix both ways): the head learns at every step, so the weight does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=128, n_positions=16,
+                        use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                        tie_word_embeddings=False)  # fmt: skip
+    net = GPT2LMHeadModel(config).eval()
+    net.lm_head.weight = net.transformer.h[0].mlp.c_proj.weight
+    return net.to(dtype)
+
+
+def tied_run(dtype: torch.dtype, drop) -> tuple[nn.Module, torch.optim.Optimizer]:
+    import warnings
+
+    net = tied_gpt2(dtype)
+    gate = gg.BackpropGate(net)
+    sched = BAdam(3, switch_every=1, order="ascending")
+    opts = {"lr": 1e-2, "weight_decay": 0.1}
+    if dtype == torch.float32:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), **opts)
+    else:
+        opt = gg.optim.LearnerMasters(torch.optim.AdamW, net.parameters(), **opts)
+    tied = net.lm_head.weight
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():  # block 0 before the cut: only the head's use learns
+        warnings.simplefilter("ignore", gg.SharedParameterWarning)
+        for step in range(7):
+            sched.apply(gate, step)
+            net(input_ids=ids).logits.float().pow(2).mean().backward()
+            assert tied.grad is not None  # through the head, at every step
+            opt.step()
+            opt.zero_grad()
+            drop(opt, gate, sched, step + 1)
+            kept = opt.state.get(tied, {}).get("step")
+            assert kept is not None and kept.item() == step + 1, step  # never reset
+    gate.remove()
+    return net, opt
+
+
+def by_hand(opt: torch.optim.Optimizer, gate: gg.BackpropGate, sched: BAdam, step: int) -> None:
+    """What drop_finished promises, written out: the resting blocks' state goes, except for
+    a parameter the head (which learns at every step) holds too."""
+    model = gate._model
+    for position in sched.resting(step):
+        for param in model.get_submodule(gate.blocks[position]).parameters():
+            if param is not model.lm_head.weight:
+                gg.optim.drop_state(opt, [param])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["AdamW", "masters"])
+def test_drop_finished_keeps_the_state_of_a_weight_tied_to_the_head(dtype) -> None:
+    ours, opt = tied_run(dtype, gg.optim.drop_finished)
+    theirs, _ = tied_run(dtype, by_hand)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    if dtype == torch.bfloat16:
+        assert opt.state[ours.lm_head.weight]["master"].dtype == torch.float32

@@ -211,8 +211,10 @@ def drop_finished(
         )
     going = {id(p): p for i in finished for p in points[i][1].parameters()}
     staying = [p for i, (_, m) in enumerate(points) if i not in finished for p in m.parameters()]
-    block_ids = {id(p) for _, m in points for p in m.parameters()}
-    staying += [p for p in model.parameters() if id(p) not in block_ids]
+    # what runs around the blocks learns at every step, also a weight it shares with a block
+    # (model.parameters() would name a tied weight once, as the block's)
+    in_blocks = {id(inner) for _, m in points for inner in m.modules()}
+    staying += [p for m in model.modules() if id(m) not in in_blocks for p in m.parameters(False)]
     for param in staying:
         going.pop(id(param), None)
     for kept in getattr(gate, "_keep", ()):  # named learners inside blocks ("h.*.ln_1")
