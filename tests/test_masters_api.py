@@ -194,3 +194,78 @@ def test_the_state_dict_holds_plain_tensors() -> None:
     torch.save(opt.state_dict(), buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     assert sorted(loaded["state"][0]) == ["exp_avg", "exp_avg_sq", "master", "step"]
+
+
+# -- which dtypes, named options, whose state_dict -------------------------------------------------
+def test_float64_parameters_are_stepped_in_place_as_the_docs_say() -> None:
+    """float32 and float64 get no master (the inner optimizer steps them as it would alone);
+    bf16 and fp16 get masters; other dtypes are refused. docs/full-finetune.md says the same."""
+    ours, theirs = make(torch.float64), make(torch.float64)
+    opt = adamw(ours.parameters())
+    plain = torch.optim.AdamW(theirs.parameters(), **OPTS)
+    for x, y in batches(3, torch.float64):
+        for model, optimizer in ((ours, opt), (theirs, plain)):
+            loss_of(model, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_params(ours, theirs)
+    assert all("master" not in entry for entry in opt.state.values())
+    for dtype in (torch.complex64, torch.float8_e4m3fn):
+        with pytest.raises(gg.InvalidOptionError, match=rf"dtype {dtype}; expected bfloat16"):
+            adamw([torch.zeros(2, dtype=dtype)])
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "full-finetune.md").read_text()
+    page = " ".join(page.replace("**", "").split())
+    assert "float32 and float64 parameters" in page
+    assert "other dtypes (float8, complex, integer) are refused" in page
+
+
+@pytest.mark.parametrize(
+    "options, named, not_named",
+    [
+        ({"lr": 1e-3, "betas1": 0.9}, r"betas1=0.9, which AdamW does not take \(did you mean "
+         r"betas=\?\); expected options that AdamW\(params, \.\.\.\) takes: lr, betas,", "lr="),
+        ({"lr": -1.0, "weight_decay": 0.1}, r"lr=-1.0: Invalid learning rate: -1.0", "weight"),
+        ({"lr": 1e-3, "momentum": 0.9}, r"momentum=0.9, which AdamW does not take;", "lr="),
+        ({"lr": 1e-3, "eps": -1.0, "betas": (0.9, 2.0)}, r"eps=-1.0: .*; betas=\(0.9, 2.0\)",
+         "lr="),
+    ],
+)  # fmt: skip
+def test_a_refused_option_is_named_alone_with_a_close_match(options, named, not_named) -> None:
+    params = list(make().parameters())
+    with pytest.raises(gg.InvalidOptionError, match=r"AdamW refused the options") as error:
+        LearnerMasters(torch.optim.AdamW, params, **options)
+    message = str(error.value)
+    import re
+
+    assert re.search(named, message), message
+    assert not_named not in message.split("; expected")[0], message
+
+
+def test_a_plain_optimizers_state_dict_is_refused_and_its_upcast_moments_accepted() -> None:
+    model = make()
+    plain = torch.optim.AdamW(model.parameters(), **OPTS)
+    for x, y in batches(2):
+        loss_of(model, x, y).backward()
+        plain.step()
+        plain.zero_grad()
+    state = plain.state_dict()
+    opt = adamw(model.parameters())
+    with pytest.raises(
+        gg.InvalidOptionError,
+        match=r"the state_dict's entry 0, for a \(16, 8\) torch.bfloat16 parameter, holds "
+        r"exp_avg in torch.bfloat16 and no fp32 master: a plain torch optimizer's state, "
+        r"not LearnerMasters'.*upcast its moments to float32 first",
+    ):
+        opt.load_state_dict(state)
+    assert not opt.state  # nothing loaded
+    for entry in state["state"].values():  # the way in, on purpose: the message's line
+        entry.update({k: v.float() for k, v in entry.items() if k != "step"})
+    opt.load_state_dict(state)
+    assert opt.state[model.head.weight]["exp_avg"].dtype == torch.float32
+    fp32 = make(torch.float32)  # fp32 parameters: the plain state is LearnerMasters' own
+    plain = torch.optim.AdamW(fp32.parameters(), **OPTS)
+    loss_of(fp32, *batches(1, torch.float32)[0]).backward()
+    plain.step()
+    adamw(fp32.parameters()).load_state_dict(plain.state_dict())

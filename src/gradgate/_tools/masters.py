@@ -16,6 +16,7 @@ import torch
 
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
+from .masters_checks import refuse_plain, refused
 
 __all__ = ["LearnerMasters"]
 
@@ -224,8 +225,9 @@ class LearnerMasters(torch.optim.Optimizer):
 
         Load the model's weights first (HF and Lightning do): a parameter written after this
         gets a new master from its value. With ``offload="cpu"`` every entry starts resting on
-        the CPU. A plain optimizer's state (no masters) is upcast to float32, and masters are
-        made from the parameters at the next step.
+        the CPU. A plain torch optimizer's state (bf16/fp16 moments, no masters) is refused;
+        with its moments upcast to float32 first, it loads, and masters are made from the
+        parameters at the next step.
         """
         saved = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(saved, dict) or not isinstance(state_dict.get("param_groups"), list):
@@ -260,6 +262,7 @@ class LearnerMasters(torch.optim.Optimizer):
                     "holds; expected a state_dict of this optimizer's parameters."
                 )
             param, group = by_id[index], group_of.get(index, {})
+            refuse_plain(index, param, entry, low=_LOW)
             placed[param] = {k: self._loaded(k, v, param, group) for k, v in entry.items()}
         return placed
 
@@ -378,11 +381,8 @@ def _inner_optimizer(
         holders.append({**_options(group), "params": [torch.empty(shape, device=device)]})
     try:
         inner = optimizer_class(holders, **options)
-    except (TypeError, ValueError) as error:
-        raise InvalidOptionError(
-            f"{optimizer_class.__name__} refused the options {sorted(options)}: {error}; "
-            f"expected options that {optimizer_class.__name__}(params, ...) takes."
-        ) from None
+    except (TypeError, ValueError, RuntimeError) as error:  # torch's checks of the options
+        raise refused(optimizer_class, holders, options, error) from None
     if inner.state:
         raise InvalidOptionError(
             f"optimizer_class={optimizer_class.__name__} makes its state for every parameter "
