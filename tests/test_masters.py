@@ -390,3 +390,23 @@ def test_a_parameter_written_from_outside_gets_a_new_master() -> None:
     expected = torch.full_like(model.head.weight, 0.5, dtype=torch.float32)
     assert (opt.state[model.head.weight]["master"] - expected).abs().max() < 0.1
     assert (model.head.weight.float() - 0.5).abs().max() < 0.1
+
+
+def test_offload_counts_a_block_that_learns_again_on_the_device_at_every_step() -> None:
+    """A block that rested (its entries on the CPU) and learns again is on the device again:
+    master_bytes() counts it from the step it wakes, not only once everything rests."""
+    model = make()
+    gate = gg.BackpropGate(model, "blocks.*")
+    sched = gg.schedules.BAdam(N, 1, order="ascending")
+    opt = gg.optim.LearnerMasters(torch.optim.AdamW, model.parameters(), offload="cpu", **OPTS)
+    for t, (x, y) in enumerate(batches(3 * N)):
+        sched.apply(gate, t)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        learning = [*model.blocks[sched.active(t)].parameters(), *model.head.parameters()]
+        assert opt.master_bytes() == sum(12 * p.numel() + 4 for p in learning), t
+        assert all(v.device == p.device for p in learning for v in opt.state[p].values()
+                   if isinstance(v, torch.Tensor) and v.dim())  # fmt: skip
+        gg.optim.drop_finished(opt, gate, sched, t + 1)
+    gate.remove()

@@ -223,6 +223,39 @@ def test_freeze_mid_accumulation_keeps_the_earlier_micro_batches_gradient() -> N
     handle.undo()
 
 
+def test_a_layer_frozen_then_unfrozen_steps_as_plain_torch_again() -> None:
+    """Unfrozen, a layer's all-zero .grad (zero_grad(set_to_none=False), then a backward that
+    does not reach it) is the optimizer's again: momentum and weight decay move it, as they
+    would with no freeze ever made. Only the frozen layers' zeros are dropped."""
+    net, ref = chain(), chain()
+    opt, ref_opt = sgd(net), sgd(ref)
+    handle = None
+    for t, plan in enumerate(["all", "freeze", "frozen", "unfreeze", "head only", "head only"]):
+        if plan == "freeze":
+            handle = gg.freeze(net, "0")
+            for p in ref[0].parameters():  # what gradgate promises, by hand
+                p.requires_grad_(False)
+                p.grad = None  # an all-zero gradient carries nothing
+        if plan == "unfreeze":
+            back = gg.unfreeze(net, "0")  # the freeze's handle stays live
+            for p in ref[0].parameters():
+                p.requires_grad_(True)
+        for model, optimizer in ((net, opt), (ref, ref_opt)):
+            torch.manual_seed(t)
+            x = torch.randn(3, 4)
+            if plan == "head only":  # a backward that does not reach layer 0
+                model[3](model[2](x)).pow(2).sum().backward()
+            else:
+                model(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        for mine, theirs in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, msg=lambda m, t=t: f"step {t}: {m}")
+    assert net[0].weight.grad is not None  # the unfrozen layer's zeros were kept
+    back.undo()
+    handle.undo()
+
+
 def test_blocks_cut_off_by_a_gate_do_not_drift_under_zero_grad_keeping_zeros() -> None:
     net = chain()
     opt = sgd(net)
@@ -238,6 +271,32 @@ def test_blocks_cut_off_by_a_gate_do_not_drift_under_zero_grad_keeping_zeros() -
         for i in range(6):  # blocks 0..2 were cut off in every forward of both steps
             assert torch.equal(list(net.parameters())[i], before[i]), i
         assert not torch.equal(net[3].weight, before[6])
+
+
+def test_the_stale_gradient_guard_leaves_gradients_the_stepping_optimizer_does_not_hold() -> None:
+    """The guard drops the left-over .grad of cut-off blocks only among the parameters of the
+    optimizer that steps: a gradient written by hand, or got from a separate backward, on a
+    block it does not hold is the user's to apply."""
+    net = chain()
+    opt = torch.optim.SGD([*net[2].parameters(), *net[3].parameters()], lr=0.1)
+    with gg.BackpropGate(net, depth=2):  # blocks 0 and 1 cut off in every forward
+        for seed in (1, 2):
+            step(net, opt, seed)
+            net[0].weight.grad = torch.ones_like(net[0].weight)  # written by the user
+            torch.manual_seed(seed)
+            (net[1].weight * torch.randn(4, 4)).sum().backward()  # a separate backward
+            separate = net[1].weight.grad.clone()
+            before = weights(net)
+            opt.step()  # the guard runs here: neither gradient is this optimizer's
+            assert torch.equal(net[0].weight.grad, torch.ones_like(net[0].weight)), seed
+            assert torch.equal(net[1].weight.grad, separate), seed
+            with torch.no_grad():  # the user's own update of the stem
+                for layer in net[:2]:
+                    layer.weight -= 0.5 * layer.weight.grad
+            torch.testing.assert_close(net[0].weight, before[0] - 0.5, rtol=0, atol=1e-6)
+            torch.testing.assert_close(net[1].weight, before[2] - 0.5 * separate)
+            assert not torch.equal(net[3].weight, before[6])  # the optimizer's own step ran
+            net.zero_grad(set_to_none=True)
 
 
 def test_a_gate_keeps_what_earlier_micro_batches_of_the_step_accumulated() -> None:
