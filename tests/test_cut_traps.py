@@ -450,3 +450,65 @@ def test_a_tied_head_learns_under_a_learning_set(learn: set[int]) -> None:
     blocks = [*model.encoder, *model.decoder]
     for i, block in enumerate(blocks):
         assert (block.f.weight.grad is not None) == (i in learn), i
+
+
+class MidNorm(nn.Module):
+    """A LayerNorm of the model's own (no list member) applied between blocks 0 and 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(5, 5) for _ in range(3))
+        self.mid = nn.LayerNorm(5)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        x = self.mid(x)
+        for block in self.blocks[1:]:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_code_between_blocks_taken_for_code_after_them_at_the_first_forward_is_said() -> None:
+    """At its first forward the gate cannot tell code between the blocks from code after the
+    last block that ran (LayerDrop skipped the rest): it takes `mid` for the latter, so `mid`
+    learns in that forward though it runs before the first learner. That is said, once; from
+    the next forward on `mid` is frozen there."""
+    x = torch.randn(3, 5)
+    model = MidNorm()
+    gate = gg.BackpropGate(model, "blocks.*")
+    gate.learn = {2}  # block 1 does not learn: the cut closes there again, `mid` gets nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+    assert model.mid.weight.grad is None and model.blocks[2].weight.grad is not None
+    gate.remove()
+    model = MidNorm()
+    gate = gg.BackpropGate(model, "blocks.*")
+    gate.learn = {1}  # the first learner right after it: its first run gets a graph
+    with pytest.warns(
+        gg.BlockCallWarning,
+        match=r"'mid.weight' and 'mid.bias' got a gradient though they run before the first "
+        r"learner \('blocks.1'\): at its first run gradgate took 'mid' for code after the last "
+        r"block that ran \(LayerDrop\).*From the next forward on they are frozen there.*run "
+        r"one forward with grad on before training",
+    ) as said:
+        loss = model(x).sum()
+        loss.backward()  # said by the backward: a forward with no backward gives no gradient
+    assert said[0].filename == __file__  # the user's backward line
+    assert model.mid.weight.grad is not None  # what was said
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+    assert model.mid.weight.grad is None and model.blocks[1].weight.grad is not None
+    gate.remove()
+    model = MidNorm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with gg.BackpropGate(model, "blocks.*") as gate:
+            gate.learn = {1}
+            model(x)  # the forward that shows the gate where `mid` runs: no backward, no word
+            model(x).sum().backward()
+    assert model.mid.weight.grad is None and model.blocks[1].weight.grad is not None

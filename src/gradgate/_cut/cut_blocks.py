@@ -7,12 +7,14 @@ dispatch: it runs at every block of every forward.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._plumbing import torch_internals as internals
+from .._plumbing.autograd import leaf_variable, tensors_in, walk
 from .._plumbing.frames_compile import keep_eager
 from .._plumbing.hooks import HookedForward
 from .block_calls import (
@@ -56,6 +58,7 @@ class BlockHooks:
     _extra_blocks: frozenset[int]
     _extra_outside: frozenset[int]
     _residual: ResidualPaths
+    _hooks: Any  # the cut's HookSet
 
     def _own_frame(self) -> Frame | None:
         frames = open_frames()
@@ -103,6 +106,8 @@ class BlockHooks:
             frame.lane = self if self.prefix_mode == "keep" else None
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
+        if frame.gap_guess is not None:  # else the cut closes again here: no graph goes on
+            self._gap_guessed_wrong(frame, position, args, learns)
         if frame.tentative is not None:
             if learns:
                 self._end_gap(frame)
@@ -249,6 +254,44 @@ class BlockHooks:
         for param in frame.frozen.pop(GAP, ()):
             param.requires_grad_(True)
 
+    def _gap_guessed_wrong(self, frame: Frame, position: int, args: Any, learns: bool) -> None:
+        """A block ran after an outside module ended the gap's freeze, taken for code after the
+        last block that ran: it was code between the blocks. Where this block learns (the cut
+        stays open) and what the freeze had held got a graph that reaches it, a backward
+        through this forward says so (a forward with no backward, such as one run to show the
+        gate where the code runs, gives no gradient and says nothing)."""
+        (index, given), frame.gap_guess = frame.gap_guess, None  # type: ignore[misc]
+        if not learns:
+            return
+        held = {id(param) for param in given}
+        nodes = [t.grad_fn for t in tensors_in(args) if t.grad_fn is not None]
+        reached = {id(leaf) for node in walk(nodes) if (leaf := leaf_variable(node)) is not None}
+        if not held & reached:
+            return
+        names = [n for n, p in self._model.named_parameters() if id(p) in held & reached]
+        modules = {id(m): n for n, m in self._model.named_modules()}
+        listed = " and ".join(map(repr, names)) if len(names) < 3 else f"{names[0]!r}, ..."
+        message = (
+            f"{listed} got a gradient though they run before the first learner "
+            f"({self._points[self._first_opener()][0]!r}): at its first run gradgate took "
+            f"{modules.get(id(self._stacks.outside[index]), '?')!r} for code after the last "
+            "block that ran (LayerDrop), and gave the code between the blocks back its "
+            f"gradients there, before block {self._points[position][0]!r} ran. From the next "
+            "forward on they are frozen there. To have the first step exact too, run one "
+            "forward with grad on before training (its output unused)."
+        )
+        gate = weakref.ref(self)  # the graph may outlive the gate
+
+        def at_backward(*grads: Any) -> None:
+            found = gate()
+            if found is not None:
+                found._warn_once("gap-guess", message)
+
+        mark = internals.hooks_registered()
+        for node in nodes:
+            node.register_prehook(at_backward)  # goes with the graph: no trace on the model
+        self._hooks.registered_since(mark)  # the gate's own
+
     def _enter_extra(self, module: nn.Module, args: Any) -> None:
         frame = self._own_frame()
         if frame is not None and not frame.skipped:  # inside a skipped block nothing learns
@@ -273,6 +316,7 @@ class BlockHooks:
             frame.gap_calls.append(index)
             frame.lane = None  # the next block's hooks take note of it
             if not (index in self._gap_modules or self._stacks.between_blocks(index)):
+                frame.gap_guess = (index, frame.frozen.get(GAP, []))
                 self._end_gap(frame, frame.tentative)  # LayerDrop skipped the blocks after
         if frame.blocking and not frame.opened:
             stack = self._stacks.of[min(self._first_opener(), len(self._points) - 1)]

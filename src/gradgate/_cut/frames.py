@@ -78,6 +78,9 @@ class Frame:
     stacks_ran: list[int] = field(default_factory=list)  # in the order they first ran
     outside_calls: list[tuple[int, int]] = field(default_factory=list)  # (module, stacks ran)
     gap_calls: list[int] = field(default_factory=list)  # outside modules run before the learner
+    # the gap's frozen parameters, given back by an outside module taken for code after the
+    # last block (LayerDrop) at its first run: a later block says whether that was wrong
+    gap_guess: tuple[int, list[nn.Parameter]] | None = None
     frozen: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     held: list[nn.Parameter] = field(default_factory=list)  # frozen until backward ends
     skipped: dict[int, bool] = field(default_factory=dict)
