@@ -27,6 +27,12 @@ to a multiple of 512 bytes, as CUDA's caching allocator does (default 1: exact b
 kernels allocate inside themselves (oneDNN scratch, workspaces) is not seen: this is the memory
 torch's tensors hold, not the allocator's.
 
+Sharded steps: a ``DTensor`` (FSDP2's parameters, gradients and optimizer state) counts as its
+local tensor, the bytes this rank holds (its own storage is a wrapper reporting the global
+size); a ``meta`` tensor holds no memory and is not counted. ``LiveBytes(..., resizes=True)``
+reads every storage's size again after each op: FSDP2 frees and re-allocates its unsharded
+parameters by resizing storages, which no op reports.
+
 >>> import torch
 >>> weight = torch.ones(256, 256)
 >>> with LiveBytes(weight) as counter:
@@ -52,9 +58,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages alive while the block runs, and their peak (see the module)."""
 
-    def __init__(self, *things: Any, round_to: int = 1) -> None:
+    def __init__(self, *things: Any, round_to: int = 1, resizes: bool = False) -> None:
         super().__init__()
         self.round_to = round_to
+        self.resizes = resizes
         self.live = 0
         self.peak = 0
         self.phase = "forward"
@@ -76,13 +83,26 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for tensor in _tensors([out]):
             self._note(tensor)
+        if self.resizes:
+            self._read_again()
         if self.live > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.live
         if self.live > self.peak:
             self.peak, self.peak_phase = self.live, self.phase
         return out
 
+    def _read_again(self) -> None:
+        for key, reference in list(self._refs.items()):
+            storage = reference()
+            if storage is not None:
+                size = -(-int(storage.nbytes()) // self.round_to) * self.round_to
+                self.live += size - self._sizes[key]
+                self._sizes[key] = size
+
     def _note(self, tensor: torch.Tensor) -> None:
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's part
+        if tensor.is_meta:  # shapes only (DeepSpeed keeps some): no memory
+            return
         storage = tensor.untyped_storage()
         key = StorageWeakRef(storage).cdata
         size = -(-int(storage.nbytes()) // self.round_to) * self.round_to

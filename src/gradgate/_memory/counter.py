@@ -19,7 +19,9 @@ Two things make the fake step match a real one where fake tensors alone would no
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -59,23 +61,28 @@ class StepCounter(TorchDispatchMode):
         self._round = round_to
         self._real_limit = real_limit if internals.DISABLE_MODES is not None else 0
         self._fake = fake_tensor_type()
-        self._info: dict[int, list[Any]] = {}  # storage key -> [bytes, category, weak reference]
+        self._paused = 0
+        # storage key -> [bytes, category, weak reference, whether the bytes were told]
+        self._info: dict[int, list[Any]] = {}
 
     # -- noting storages ----------------------------------------------------------------------
-    def track(self, tensor: torch.Tensor, category: str = "other") -> None:
+    def track(self, tensor: torch.Tensor, category: str = "other", size: int | None = None) -> None:
         """Count ``tensor``'s storage in ``category`` (a storage counted before changes
-        category only through :meth:`relabel`)."""
+        category only through :meth:`relabel`). ``size``: count it as that many bytes from now
+        on, whatever the storage holds (this rank's share of a sharded parameter or gradient;
+        0 for a stand-in whose bytes are counted elsewhere)."""
         storage = tensor.untyped_storage()
         key = storage_key(storage)
         info = self._info.get(key)
-        size = self._size(storage)
+        fixed = size is not None
+        size = self._size(storage) if size is None else -(-size // self._round) * self._round
         if info is None:
             reference = weakref.ref(storage, partial(self._free, key))
-            self._info[key] = [size, category, reference]
+            self._info[key] = [size, category, reference, fixed]
             self._add(category, size)
-        elif size != info[0]:  # resized in place
+        elif (fixed or not info[3]) and size != info[0]:  # resized in place, or told
             self._add(info[1], size - info[0])
-            info[0] = size
+            info[0], info[3] = size, info[3] or fixed
 
     def relabel(self, tensor: torch.Tensor, category: str, *, only: str | None = None) -> None:
         """Move ``tensor``'s storage to ``category`` (only from category ``only`` if given)."""
@@ -112,7 +119,7 @@ class StepCounter(TorchDispatchMode):
 
     def _free(self, key: int, reference: Any = None) -> None:
         """The weak reference's callback: the storage is gone."""
-        size, category, _ = self._info.pop(key)
+        size, category, *_ = self._info.pop(key)
         self._add(category, -size)
 
     # -- peaks --------------------------------------------------------------------------------
@@ -134,8 +141,20 @@ class StepCounter(TorchDispatchMode):
             self.at_peak[self.phase] = {**self.bytes, "other": self.bytes["other"] + extra}
 
     # -- the ops ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops inside are neither counted nor compared with the peak (stand-ins for bytes
+        counted elsewhere)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         if self._real_limit and self._fake not in types:
             out = self._maybe_real(func, args, kwargs)
         elif func is GROUPED_MM and args[0].dtype != torch.bfloat16:

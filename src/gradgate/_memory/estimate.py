@@ -49,11 +49,15 @@ from .options import (
     dtype_option,
     learn_option,
     masters_option,
+    masters_under,
     misspelt_options,
     nothing_to_plan,
     optimizer_option,
+    shard_option,
+    world_option,
 )
 from .replay import PrefixReplay
+from .sharding import engine_for
 from .step import Plan, StepSimulator
 from .twin import eager, fake_twin, light_inputs, meta_copy, step_inputs
 
@@ -69,6 +73,9 @@ def estimate(
     masters: str | None = None,
     device: torch.device | str | None = None,
     blocks: Sequence[Pattern] | str | None = None,
+    world: int = 1,
+    shard: str | None = None,
+    deepspeed: dict[str, Any] | str | None = None,
     **example_kwargs: Any,
 ) -> MemoryPlan:
     """Predict the memory of one training step of ``model(*example_args, **example_kwargs)``
@@ -119,6 +126,9 @@ def estimate(
         masters=masters,
         device=device,
         blocks=blocks,
+        world=world,
+        shard=shard,
+        deepspeed=deepspeed,
     ) as planner:
         plans: list[Plan] = [
             *depths_option(chosen, planner.blocks, default=learn is None),
@@ -155,20 +165,33 @@ class StepPlanner:
         device: torch.device | str | None = None,
         blocks: Sequence[Pattern] | str | None = None,
         replay: bool = True,
+        world: int = 1,
+        shard: str | None = None,
+        deepspeed: dict[str, Any] | str | None = None,
         options: StepOptions | None = None,
     ) -> None:
         check_module(model)
         model = unwrap_compiled(model)
         if options is None:  # given: checked already (a planner made again by replanner())
             cast = dtype_option(dtype)
+            world = world_option(world)
             options = StepOptions(
                 optimizer=optimizer_option(optimizer),
                 cast=cast,
                 amp=amp_option(amp),
                 masters=masters_option(masters, model, cast),
                 device=device_option(device, model),
+                world=world,
+                shard=shard_option(shard, world),
+                deepspeed=deepspeed,
             )
+            masters_under(options.shard, options.masters)
         self._options = options
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        self._engine = engine_for(
+            options.shard, options.world, options.device, options.deepspeed, hidden,
+            options.optimizer,
+        )  # fmt: skip
         self._model, self._inputs, self._blocks = model, (args, kwargs), blocks
         self._replay = replay
         self._stack = contextlib.ExitStack()
@@ -185,12 +208,14 @@ class StepPlanner:
             stack.enter_context(mode)
             stack.enter_context(eager())
             stack.enter_context(_collector_skips_what_exists())
-            replay = PrefixReplay(_blocks_of(twin, self._blocks)) if self._replay else None
+            found = _blocks_of(twin, self._blocks)
+            replay = PrefixReplay(found) if self._replay else None
             gate = BackpropGate(twin, self._blocks)
             stack.callback(gate.remove)
             self.blocks, self.block_names = len(gate.blocks), list(gate.blocks)
+            self._engine.attach(twin, found)
             self._simulator = StepSimulator(
-                twin, gate, (fake_args, fake_kwargs), self._options, limit, replay
+                twin, gate, (fake_args, fake_kwargs), self._options, limit, replay, self._engine
             )
         except BaseException:
             self._stack.close()
@@ -266,6 +291,8 @@ class StepPlanner:
             amp=None if options.amp is None else str(options.amp).removeprefix("torch."),
             masters="fp32" if options.masters else None,
             device=options.device,
+            world=self._engine.world,
+            shard=self._engine.name,
         )
 
 

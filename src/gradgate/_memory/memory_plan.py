@@ -110,6 +110,8 @@ class MemoryPlan:
         amp: str | None = None,
         masters: str | None = None,
         device: str = "cpu",
+        world: int = 1,
+        shard: str | None = None,
     ) -> None:
         self.model = model
         self.rows: tuple[MemoryRow, ...] = tuple(rows)
@@ -119,6 +121,8 @@ class MemoryPlan:
         self.amp = amp
         self.masters = masters
         self.device = device
+        self.world = world  # ranks; every row is one rank's bytes (rank 0: it holds the most)
+        self.shard = shard  # None (one device), "ddp", "fsdp2", "zero1", "zero2" or "zero3"
         self.labels: dict[MemoryRow, str] = {}  # a row's name in the table, if not its label
         self.notes: list[str] = []  # lines under the table, after the plan's own
         self._replanner: Replanner | None = None  # plans more depths (fits), set by the planner
@@ -244,6 +248,8 @@ class MemoryPlan:
         if self.masters:
             how.append(f"{self.masters} masters")
         how += [f"optimizer {self.optimizer}", f"planned for {self.device}"]
+        if self.shard is not None:
+            how.append(f"per rank: {self.shard} over {self.world} ranks")
         return f"{self.model}: memory of one training step per depth ({', '.join(how)})"
 
     def table(self) -> str:
@@ -283,6 +289,8 @@ class MemoryPlan:
                 "masters": self.masters,
                 "optimizer": self.optimizer,
                 "device": self.device,
+                "world": self.world,
+                "shard": self.shard,
                 "blocks": self.blocks,
                 "rows": [row.as_dict() for row in self.rows],
             },

@@ -40,13 +40,17 @@ _CLOSE = 0.75  # difflib's ratio from which a keyword reads as a misspelt option
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How the planned step runs: optimizer, dtypes, masters and the target device."""
+    """How the planned step runs: optimizer, dtypes, masters, the target device, and the
+    engine dividing it among ranks."""
 
     optimizer: str = "adamw"
     cast: torch.dtype | None = None  # parameters (and floating inputs) cast to it
     amp: torch.dtype | None = None  # the forward under torch.autocast in this dtype
     masters: bool = False  # fp32 masters of the learners (gg.optim.LearnerMasters)
     device: str = "cpu"  # "cpu" or "cuda": the target's optimizer kernels and allocator
+    world: int = 1  # ranks; with an engine, every row is one rank's bytes
+    shard: str | None = None  # None (one device), "ddp", "fsdp2", "zero1", "zero2", "zero3"
+    deepspeed: Any = None  # a DeepSpeed config (dict or JSON path) for ZeRO's buckets
 
     def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer torch would run over ``params`` on the target device."""
@@ -238,3 +242,51 @@ def nothing_to_plan(depths: list[Any] | None) -> InvalidDepthError:
         "depths=[0, 1, 2], or depths=None for 0, 1, 2, 4, ... and all blocks (or learning "
         "sets in learn=[...])."
     )
+
+
+SHARDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+
+
+def world_option(world: object) -> int:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise InvalidOptionError(
+            f"gg.estimate(world={world!r}) is not a number of ranks; expected an integer >= 1: "
+            "the GPUs the step runs on, e.g. world=4 with shard='fsdp2' (1: one device)."
+        )
+    return world
+
+
+def shard_option(shard: object, world: int) -> str | None:
+    """How ``world`` ranks divide the step: ``None`` is one device and needs ``world=1``; an
+    engine needs ``world >= 2``."""
+    if shard is not None and shard not in SHARDS:
+        raise InvalidOptionError(
+            f"gg.estimate(shard={shard!r}) is not an engine; expected None (one device) or one "
+            f"of {', '.join(map(repr, SHARDS))}: how the ranks divide parameters, gradients "
+            "and optimizer state."
+        )
+    if shard is None and world > 1:
+        raise InvalidOptionError(
+            f"gg.estimate(world={world}) divides the step among {world} ranks, but shard=None "
+            f"plans one device; expected shard= one of {', '.join(map(repr, SHARDS))} (how "
+            "the ranks divide the model), or world=1."
+        )
+    if shard is not None and world == 1:
+        raise InvalidOptionError(
+            f"gg.estimate(shard={shard!r}) divides the step among ranks, but world=1 is one "
+            "device; expected world=N with N >= 2 (e.g. world=4), or shard=None."
+        )
+    return shard  # type: ignore[return-value]
+
+
+def masters_under(shard: str | None, masters: bool) -> None:
+    """``masters="fp32"`` plans gg.optim.LearnerMasters; under DeepSpeed ZeRO it is not
+    planned (ZeRO keeps fp32 masters of every parameter itself)."""
+    if masters and shard is not None and shard.startswith("zero"):
+        raise InvalidOptionError(
+            f"gg.estimate(masters='fp32', shard={shard!r}): DeepSpeed ZeRO keeps fp32 masters "
+            "and optimizer state of its whole partition itself, and the plan of "
+            "gg.optim.LearnerMasters under ZeRO is not made yet; expected masters=None under "
+            f"shard={shard!r} (ZeRO's own masters, planned), or shard='fsdp2' with "
+            "masters='fp32' (masters and state for the learners' shards only)."
+        )

@@ -29,6 +29,7 @@ from .._plumbing.torch_internals import storage_key
 from .counter import HOST, StepCounter
 from .options import StepOptions
 from .replay import PrefixReplay
+from .sharding.engine import Engine
 
 Plan = int | frozenset[int | str] | None  # a depth, a learning set, or None: no cut at all
 
@@ -56,8 +57,10 @@ class StepSimulator:
         options: StepOptions,
         real_limit: int,
         replay: PrefixReplay | None = None,
+        engine: Engine | None = None,
     ) -> None:
         self._twin, self._gate, self._replay = twin, gate, replay
+        self._engine = engine or Engine()
         self._args, self._kwargs = inputs
         self._options = options
         self._real_limit = real_limit
@@ -65,7 +68,8 @@ class StepSimulator:
         self._model_tensors = [*self._params, *twin.buffers()]
         self._inputs = tensors_in((self._args, self._kwargs))
         self._model_storages = {_storage(t) for t in self._model_tensors}
-        self.param_bytes = sum(p.nbytes for p in self._params)
+        engine = self._engine
+        self.param_bytes = sum(engine.param_bytes(p) for p in self._params) + engine.model_extra()
         self._names = {id(p): name for name, p in twin.named_parameters()}
         self.trainable = tuple(n for n, p in twin.named_parameters() if p.requires_grad)
         self.learners: tuple[str, ...] = ()  # the last row's parameters that got a gradient
@@ -82,11 +86,14 @@ class StepSimulator:
             round_to=512 if self._options.device == "cuda" else 1, real_limit=self._real_limit
         )
         learnable = [p for p in self._params if p.requires_grad]
+        engine = self._engine
         with counter, _quiet():
             for tensor in self._model_tensors:
-                counter.track(tensor, "model")
+                shared = isinstance(tensor, nn.Parameter)
+                counter.track(tensor, "model", engine.param_bytes(tensor) if shared else None)
             for tensor in self._inputs:
                 counter.track(tensor, "other")
+            buffers = engine.start(counter, learnable)  # the engine's own, all step long
             hooks = [p.register_post_accumulate_grad_hook(counter.grad_ready) for p in learnable]
             if self._replay is not None:
                 self._replay.counter = counter
@@ -97,6 +104,7 @@ class StepSimulator:
                     self._replay.counter = None
                 for hook in hooks:
                     hook.remove()
+                del buffers
 
     def _step(self, counter: StepCounter, learnable: list[nn.Parameter]) -> Figures:
         start = counter.live
@@ -108,23 +116,31 @@ class StepSimulator:
         counter.phase = "backward"
         if loss is not None and loss.requires_grad:
             loss.backward()
+            self._engine.after_backward()
         del loss
         learners = [p for p in learnable if p.grad is not None]
         self.learners = tuple(self._names[id(p)] for p in learners)
-        grad_bytes = sum(p.grad.nbytes for p in learners if p.grad is not None)
+        grad_bytes = self._engine.grads_held(learners)
         state_bytes, made = 0, (0, 0)
-        if learnable:
-            optimizer = self._options.make_optimizer(learnable)
+        stepped = self._engine.stepped(learnable, counter) if learnable else []
+        if stepped:
+            optimizer = self._options.make_optimizer(stepped)
+            self._engine.prepare(optimizer, counter)
+            before = (counter.bytes["state"], counter.bytes[HOST])
             counter.phase = "step1"
             optimizer.step()
-            state_bytes = self._label_state(counter, optimizer)
-            made = (counter.bytes["state"], counter.bytes[HOST])
+            self._engine.after_step()
+            state_bytes = self._engine.state_held(self._label_state(counter, optimizer))
+            made = (counter.bytes["state"] - before[0], counter.bytes[HOST] - before[1])
             if self._options.masters:  # torch's own optimizers: the first step is as high
                 counter.phase = "step"
                 optimizer.step()
+                self._engine.after_step()
             optimizer.zero_grad(set_to_none=True)
+            self._engine.finish(learnable)
         kept = counter.live - start  # optimizer state and masters: alive in every later step
         peak, phase, other = _peak(counter, kept, start, made)
+        state_bytes += self._engine.masters_held()
         return Figures(grad_bytes, state_bytes, saved.total, peak, phase, other)
 
     def _autocast(self) -> Any:

@@ -1,0 +1,240 @@
+"""DeepSpeed ZeRO 1, 2 and 3 (the rules of DeepSpeed 0.19), stepped by a torch optimizer through
+``gg.integrations.deepspeed.step_learners_only``: optimizer state only for the learners'
+stretches of each rank's partition.
+
+ZeRO 1 and 2 flatten every trainable parameter into one buffer in the model's dtype, padded to a
+multiple of 2 x world elements (every rank holds it whole: the parameters are views into it),
+and give each rank an equal partition of it: an fp32 master copy of its partition, and optimizer
+state for the learners' stretches inside it. In backward a bucket of ``reduce_bucket_size``
+elements (two with ``overlap_comm``) reduces the gradients; ZeRO 2 keeps the averaged gradients
+of the parameters touching its partition in one buffer and drops the rest, ZeRO 1 keeps them
+all; both give a zero gradient to the parameters touching the partition that got none. The
+step turns the partition's gradients into one fp32 buffer.
+
+ZeRO 3 divides each parameter into ``ceil(numel / world)``-element partitions (padded), one flat
+buffer of them per rank, with an fp32 master copy and a gradient partition (the model's dtype)
+of every trainable parameter, and a reduce bucket. A parameter of at most
+``stage3_param_persistence_threshold`` elements stays gathered on every rank. Each module's
+parameters are gathered whole before it runs (in forward and in backward), with the next
+modules' prefetched up to ``stage3_prefetch_bucket_size`` elements, and released after it,
+unless backward uses them again within ``stage3_max_reuse_distance`` elements. A gradient is
+reduce-scattered into the partition as soon as it is made.
+
+The rows describe the rank holding the most: the one whose partition holds the most learners.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._plumbing.errors import InvalidOptionError
+from ..counter import StepCounter
+from .engine import Engine
+
+_KNOBS = {  # DeepSpeed's name -> ours; the stage 3 ones with their stage3_ prefix
+    "reduce_bucket_size": "reduce_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+
+
+@dataclass(frozen=True)
+class ZeroKnobs:
+    """The ``zero_optimization`` settings the plan follows (DeepSpeed's defaults)."""
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: True at stage 3, False below (DeepSpeed's rule)
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    persistence_threshold: int = 100_000
+    model_persistence_threshold: int = sys.maxsize
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+
+
+def zero_knobs(config: object, stage: int, hidden: int | None) -> ZeroKnobs:
+    """The knobs of a DeepSpeed config (a dict, or the path of its JSON file; ``None``:
+    DeepSpeed's defaults). ``"auto"`` values are filled as the Hugging Face Trainer fills them
+    from the model's ``hidden_size``."""
+    if config is None:
+        return ZeroKnobs()
+    if isinstance(config, (str, Path)):
+        try:
+            config = json.loads(Path(config).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise InvalidOptionError(
+                f"gg.estimate(deepspeed={str(config)!r}) cannot be read ({error}); expected a "
+                "DeepSpeed config: a dict or the path of its JSON file."
+            ) from None
+    if not isinstance(config, dict):
+        raise InvalidOptionError(
+            f"gg.estimate(deepspeed={config!r:.60}) is not a DeepSpeed config; expected a dict "
+            "(or the path of a JSON file) with a 'zero_optimization' section."
+        )
+    section = config.get("zero_optimization", {})
+    given = section.get("stage")
+    if given not in (None, "auto", stage):
+        raise InvalidOptionError(
+            f"gg.estimate(shard='zero{stage}') plans ZeRO stage {stage}, but the DeepSpeed "
+            f"config says stage {given!r}; expected the same stage in both (shard='zero{given}')."
+        )
+    auto = _auto(hidden)
+    values: dict[str, Any] = {}
+    for name, ours in _KNOBS.items():
+        value = section.get(name, section.get(name.removeprefix("stage3_")))
+        if value == "auto":
+            value = auto.get(name)
+        if value is not None:
+            values[ours] = (
+                bool(value) if ours in ("overlap_comm", "contiguous_gradients") else int(value)
+            )
+    known = {f.name for f in fields(ZeroKnobs)}
+    return ZeroKnobs(**{k: v for k, v in values.items() if k in known})
+
+
+def _auto(hidden: int | None) -> dict[str, int]:
+    """The Hugging Face Trainer's ``"auto"``: buckets from the model's hidden size."""
+    if hidden is None:
+        return {}
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    found = []
+    for param in params:
+        if id(param) not in seen and param.requires_grad:
+            seen.add(id(param))
+            found.append(param)
+    return found
+
+
+class _Zero(Engine):
+    """What ZeRO 1, 2 and 3 share: the master partition, the optimizer state of the whole
+    partition (DeepSpeed makes it flat; ``step_learners_only`` steps the learners' stretches
+    of it), and the step's fp32 gradient buffer."""
+
+    def __init__(self, stage: int, world: int, knobs: ZeroKnobs, optimizer: str) -> None:
+        self.stage, self.world, self.knobs = stage, world, knobs
+        self.name = f"zero{stage}"
+        self.params: list[nn.Parameter] = []
+        self.counter: StepCounter | None = None
+        self.gloo = False  # a CPU plan: gloo's collectives copy their input
+        self.slots = _SLOTS.get(optimizer, 2)  # fp32 state tensors per element
+        self.counts = optimizer.startswith("adam")  # Adam's step count, one tensor
+        self.state: list[torch.Tensor] = []  # the flat state, once made
+        self._held: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def hook(self, learnable: list[nn.Parameter], reduced: Any) -> None:
+        """``reduced(param)`` when a gradient is made, this row only."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(reduced) for p in learnable]
+
+    def partition(self) -> int:
+        """Elements of this rank's fp32 partition."""
+        raise NotImplementedError
+
+    def segments(self, learners: list[nn.Parameter]) -> list[int]:
+        """Elements of each learner's stretch of this rank's partition (those stepped)."""
+        raise NotImplementedError
+
+    def steps(self, learners: list[nn.Parameter]) -> bool:
+        """Whether this rank steps (a learner touches its partition)."""
+        return bool(self.segments(learners))
+
+    def masters_held(self) -> int:
+        return 4 * self.partition()
+
+    def state_held(self, labelled: int) -> int:
+        return (self.slots * self.partition() + self.counts) * 4 if self.slots else 0
+
+    def make_state(self, counter: StepCounter) -> None:
+        """The optimizer state of the whole partition, in fp32."""
+        if self.state or not self.slots:
+            return
+        self.state = [torch.empty(self.slots * self.partition(), dtype=torch.float32)]
+        if self.counts:
+            self.state.append(torch.empty((), dtype=torch.float32))
+        for tensor in self.state:
+            counter.relabel(tensor, "state")
+
+    def stepped(self, learnable: list[nn.Parameter], counter: StepCounter) -> list[nn.Parameter]:
+        """The partition's gradients flattened into one fp32 buffer, then the model's freed;
+        the torch optimizer steps the learners' stretches of the partition (stand-ins: their
+        bytes are the masters' and the buffer's)."""
+        learners = [p for p in learnable if p.grad is not None]
+        sizes = self.segments(learners)
+        flat = torch.empty(self.partition(), dtype=torch.float32) if sizes else None
+        self.drop_grads(learnable)
+        if flat is None:
+            return []
+        self.make_state(counter)
+        stand_ins = []
+        for size in sizes:
+            with counter.paused():
+                part = nn.Parameter(torch.empty(size, dtype=torch.float32))
+                part.grad = torch.empty_like(part)
+            counter.track(part, "state", size=0)
+            counter.track(part.grad, "other", size=0)
+            stand_ins.append(part)
+        self._held = [flat]
+        return stand_ins
+
+    def drop_grads(self, learnable: list[nn.Parameter]) -> None:
+        for param in learnable:
+            param.grad = None
+
+    def after_step(self) -> None:
+        """``step_learners_only`` puts the stretches' state back into flat tensors, one per
+        state key (the step count too, as a float per element, dropped after), made while
+        the stretches' state is alive; then the stretches' state goes."""
+        if self._optimizer is None:
+            return
+        counter = self.counter
+        assert counter is not None
+        self.make_state(counter)
+        if self.counts:
+            counts = torch.empty(self.partition(), dtype=torch.float32)
+            del counts
+        self._optimizer.state.clear()
+        self._optimizer = None
+
+    def prepare(self, optimizer: torch.optim.Optimizer, counter: StepCounter) -> None:
+        """The flat state split into the stretches' own state (the learners' only)."""
+        self.state = []
+        self._optimizer = optimizer
+
+    def finish(self, learnable: list[nn.Parameter]) -> None:
+        self._held = []
+
+
+_SLOTS = {"adamw": 2, "adamw_fused": 2, "adam": 2, "sgd_momentum": 1, "momentum": 1, "sgd": 0}
+
+
+def ceil_part(numel: int, world: int) -> int:
+    """ZeRO-3's partition of a parameter: ``numel`` padded to a multiple of ``world``, divided.
+
+    >>> ceil_part(513, 2), ceil_part(512, 2)
+    (257, 256)
+    """
+    return math.ceil(numel / world)
