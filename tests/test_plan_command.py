@@ -376,3 +376,67 @@ def test_when_no_depth_fits_the_verdict_names_the_learning_head(
     _, frozen, _ = plan(tmp_path, capsys, LLAMA2, "--seq", "8", "--memory", "100KiB",
                         "--headroom", "0", "--freeze", "lm_head")  # fmt: skip
     assert "(depth 0, where model.norm learn" in frozen and "--freeze lm_head (or" not in frozen
+
+
+def test_gpus_and_shard_plan_one_gpu_of_several(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--gpus 4 --shard fsdp2: each row is one GPU's bytes, as gg.estimate(world=4,
+    shard='fsdp2') plans them; the title says so."""
+    status, out, _ = plan(
+        tmp_path, capsys, LLAMA, "--seq", "32", "--depths", "1,4", "--gpus", "4", "--shard",
+        "fsdp2", "--masters", "fp32", "--memory", "24MiB", "--headroom", "0",
+    )  # fmt: skip
+    assert status == 0
+    assert "per rank: fsdp2 over 4 ranks" in out
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    model = meta_llama(tmp_path)
+    want = gg.estimate(
+        model, input_ids=ids, labels=ids, depths=[1, 4], dtype="bf16", masters="fp32",
+        world=4, shard="fsdp2", device="cuda",
+    )  # fmt: skip
+    found = rows(out)
+    for depth in (1, 4):
+        row = want[depth]
+        shown = " ".join(found["4 (all blocks)" if depth == 4 else str(depth)])
+        assert shown.startswith(" ".join(map(format_bytes, row._figures()[:3])))
+        assert shown.endswith(f"{format_bytes(row.peak_bytes)} {row.peak_phase}")
+    assert "fits in 24MiB" in out
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--gpus", "0"], "'0' is not a whole number >= 1; expected the number of GPUs"),
+        (["--gpus", "two"], "'two' is not a whole number >= 1"),
+        (["--shard", "fsdp2"], "--shard fsdp2 divides the step among GPUs, but --gpus is 1"),
+        (["--gpus", "4"], "--gpus 4 needs to know how the GPUs divide the model; expected --shard"),
+        (["--gpus", "4", "--shard", "fsdp"], "invalid choice: 'fsdp'"),
+        (["--gpus", "2", "--shard", "ddp", "--deepspeed", "ds.json"], "--deepspeed ds.json"),
+    ],
+)
+def test_gpus_and_shard_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    status, out, err = plan(tmp_path, capsys, LLAMA2, "--seq", "8", *options)
+    assert status != 0 and out == "" and message in err, err
+    assert err.count("\n") in (1, 2), err  # argparse adds its usage line
+
+
+def test_a_deepspeed_config_sets_zeros_buckets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reduce bucket of a DeepSpeed config ('auto': hidden_size squared, as the HF Trainer
+    fills it) is in every ZeRO row: 2 x 64 x 64 bytes of bf16 here, not DeepSpeed's default
+    of 5e8 elements."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}))
+    options = ["--seq", "8", "--depths", "1", "--gpus", "2", "--shard", "zero3"]
+    status, small, _ = plan(tmp_path, capsys, LLAMA2, *options, "--deepspeed", str(ds))
+    assert status == 0
+    status, default, _ = plan(tmp_path, capsys, LLAMA2, *options)
+    assert status == 0
+    small_row, default_row = rows(small)["1"], rows(default)["1"]
+    assert small_row[:2] == default_row[:2]  # the same parameters per GPU
+    # other: DeepSpeed's default bucket, 5e8 bf16 elements (953.67 MiB), or 64 x 64 of them
+    assert float(default_row[8]) > 953 and default_row[9] == "MiB" and small_row[9] == "KiB"

@@ -31,6 +31,7 @@ from .configs import (
 from .learners import freeze_patterns, learn_sets, learn_text, learning_text
 from .memory_plan import MemoryPlan, MemoryRow, format_bytes
 from .options import DTYPES, LOW, OPTIMIZERS, default_depths, dtype_option, parameter_dtype
+from .sharding.flags import add_flags, check_flags
 
 if TYPE_CHECKING:
     from .estimate import StepPlanner
@@ -130,6 +131,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="with gradient checkpointing (transformers' activation_checkpointing_enable, "
         "gradient_checkpointing_enable before 5.23)",
     )
+    add_flags(parser)
     parser.add_argument(
         "--blocks",
         nargs="+",
@@ -204,6 +206,9 @@ def _run_command(args: argparse.Namespace) -> int:
         blocks=args.blocks,
         budget=budget,
         headroom=headroom,
+        gpus=args.gpus,
+        shard=args.shard,
+        deepspeed=args.deepspeed,
     )
     print(found.plan.table())
     if budget is not None:
@@ -240,12 +245,16 @@ def plan_config(
     blocks: list[str] | None = None,
     budget: int | None = None,
     headroom: int | None = None,
+    gpus: int = 1,
+    shard: str | None = None,
+    deepspeed: Path | None = None,
 ) -> ConfigPlan:
     """Build the config's model on the meta device and plan it for ``batch`` x ``seq``: the
     depths asked (with a budget, also every depth around it), the learning sets asked, then a
-    full fine-tune."""
+    full fine-tune. With ``gpus`` and ``shard``, every row is one GPU's bytes."""
     from .estimate import StepPlanner  # the planner loads torch: on first use
 
+    check_flags(gpus, shard, deepspeed)
     if badam and masters is None and amp is None:
         masters = "fp32"  # BAdam's recipe: low-precision weights, fp32 masters for one block
     masters = None if masters == "none" else masters
@@ -279,6 +288,9 @@ def plan_config(
             masters=masters,
             device="cuda",
             blocks=blocks if blocks is not None else default_blocks(model),
+            world=gpus,
+            shard=shard,
+            deepspeed=None if deepspeed is None else str(deepspeed),
         )
         with planner:
             extra = embedding_names(model) if learn_embeddings else []
@@ -396,6 +408,8 @@ def verdict(found: ConfigPlan, text: str, budget: int, headroom: int | None = No
     def where(row: MemoryRow) -> str:
         return f", where {found.learning[row]} learn" if row in found.learning else ""
 
+    if plan.shard is not None:
+        text = f"{text} per GPU ({plan.world} GPUs, {plan.shard})"
     how = (
         "peak + headroom: 512 MiB + 5% of the peak"
         if headroom is None
