@@ -347,6 +347,7 @@ def real_step(engine: str, name: str, masters: bool, plan: Any) -> dict[str, Any
 
 
 def run_rank(rank: int, store: str, out: str) -> None:
+    import gc
     import logging
     import warnings
 
@@ -371,12 +372,16 @@ def run_rank(rank: int, store: str, out: str) -> None:
         if engine.startswith("zero") and not HAS_DEEPSPEED:
             continue
         for plan in plans:
+            gc.collect()
+            gc.disable()  # garbage in reference cycles freed at a random op: not a step's bytes
             try:
                 results[case_name(engine, name, masters, plan)] = real_step(
                     engine, name, masters, plan
                 )
             except Exception:
                 results[case_name(engine, name, masters, plan)] = traceback.format_exc()
+            finally:
+                gc.enable()
             dist.barrier()
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -59,6 +59,23 @@ class Zero3(_Zero):
     def segments(self, learners: list[nn.Parameter]) -> list[int]:
         return [ceil_part(p.numel(), self.world) for p in learners]
 
+    def prepare(self, optimizer: torch.optim.Optimizer, counter: StepCounter) -> None:
+        """The stretches' state is the state DeepSpeed made for the whole partition when it
+        started, kept split by ``step_learners_only``: no bytes of its own."""
+        names = {2: ("exp_avg", "exp_avg_sq"), 1: ("momentum_buffer",)}.get(self.slots, ())
+        for group in optimizer.param_groups:
+            for part in group["params"]:
+                with counter.paused():
+                    entry: dict[str, Any] = {name: torch.zeros_like(part) for name in names}
+                    if self.counts:
+                        entry["step"] = torch.tensor(0.0)  # a constant: the step reads it
+                for value in entry.values():
+                    counter.track(value, "state", size=0)
+                optimizer.state[part] = entry
+
+    def after_step(self) -> None:
+        """No flat tensors made again: the state stays in stretches."""
+
     # -- the step ------------------------------------------------------------------------------
     def start(self, counter: StepCounter, learnable: list[nn.Parameter]) -> list[Any]:
         self.counter, self.backward, self.gathered, self.state = counter, False, {}, []
