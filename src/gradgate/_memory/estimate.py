@@ -49,7 +49,6 @@ from .options import (
     dtype_option,
     learn_option,
     masters_option,
-    masters_under,
     misspelt_options,
     nothing_to_plan,
     optimizer_option,
@@ -185,12 +184,11 @@ class StepPlanner:
                 shard=shard_option(shard, world),
                 deepspeed=deepspeed,
             )
-            masters_under(options.shard, options.masters)
         self._options = options
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         self._engine = engine_for(
             options.shard, options.world, options.device, options.deepspeed, hidden,
-            options.optimizer,
+            options.optimizer, options.masters,
         )  # fmt: skip
         self._model, self._inputs, self._blocks = model, (args, kwargs), blocks
         self._replay = replay

@@ -277,16 +277,3 @@ def shard_option(shard: object, world: int) -> str | None:
             "device; expected world=N with N >= 2 (e.g. world=4), or shard=None."
         )
     return shard  # type: ignore[return-value]
-
-
-def masters_under(shard: str | None, masters: bool) -> None:
-    """``masters="fp32"`` plans gg.optim.LearnerMasters; under DeepSpeed ZeRO it is not
-    planned (ZeRO keeps fp32 masters of every parameter itself)."""
-    if masters and shard is not None and shard.startswith("zero"):
-        raise InvalidOptionError(
-            f"gg.estimate(masters='fp32', shard={shard!r}): DeepSpeed ZeRO keeps fp32 masters "
-            "and optimizer state of its whole partition itself, and the plan of "
-            "gg.optim.LearnerMasters under ZeRO is not made yet; expected masters=None under "
-            f"shard={shard!r} (ZeRO's own masters, planned), or shard='fsdp2' with "
-            "masters='fp32' (masters and state for the learners' shards only)."
-        )

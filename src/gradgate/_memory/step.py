@@ -125,17 +125,14 @@ class StepSimulator:
         stepped = self._engine.stepped(learnable, counter) if learnable else []
         if stepped:
             optimizer = self._options.make_optimizer(stepped)
-            self._engine.prepare(optimizer, counter)
             before = (counter.bytes["state"], counter.bytes[HOST])
             counter.phase = "step1"
             optimizer.step()
-            self._engine.after_step()
-            state_bytes = self._engine.state_held(self._label_state(counter, optimizer))
+            state_bytes = self._label_state(counter, optimizer)
             made = (counter.bytes["state"] - before[0], counter.bytes[HOST] - before[1])
             if self._options.masters:  # torch's own optimizers: the first step is as high
                 counter.phase = "step"
                 optimizer.step()
-                self._engine.after_step()
             optimizer.zero_grad(set_to_none=True)
             self._engine.finish(learnable)
         kept = counter.live - start  # optimizer state and masters: alive in every later step

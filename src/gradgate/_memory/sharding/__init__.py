@@ -26,10 +26,11 @@ def engine_for(
     deepspeed: object = None,
     hidden: int | None = None,
     optimizer: str = "adamw",
+    masters: bool = False,
 ) -> Engine:
     """The engine ``shard`` names, over ``world`` ranks, following ``device``'s rules
     (``deepspeed``: a DeepSpeed config for ZeRO's buckets; ``hidden``: the model's hidden
-    size, for its ``"auto"`` values)."""
+    size, for its ``"auto"`` values; ``masters``: LearnerMasters steps)."""
     if shard == "ddp":
         return Ddp(world, device)
     if shard == "fsdp2":
@@ -37,8 +38,10 @@ def engine_for(
     if shard is not None and shard.startswith("zero"):
         stage = int(shard[-1])
         knobs = zero_knobs(deepspeed, stage, hidden)
-        zero = (
-            Zero3(world, knobs, optimizer) if stage == 3 else Zero12(stage, world, knobs, optimizer)
+        zero: Zero3 | Zero12 = (
+            Zero3(world, knobs, optimizer, masters)
+            if stage == 3
+            else Zero12(stage, world, knobs, optimizer, masters)
         )
         zero.gloo = device == "cpu"
         return zero

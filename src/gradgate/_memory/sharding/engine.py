@@ -57,16 +57,6 @@ class Engine:
         """The tensors the optimizer steps, with their gradients: this rank's shards."""
         return learnable
 
-    def prepare(self, optimizer: torch.optim.Optimizer, counter: StepCounter) -> None:
-        """The optimizer made over :meth:`stepped`'s tensors, before its first step."""
-
-    def after_step(self) -> None:
-        """What the engine does right after each ``optimizer.step()``."""
-
-    def state_held(self, labelled: int) -> int:
-        """The optimizer state this rank holds (``labelled``: what the optimizer made)."""
-        return labelled
-
     def finish(self, learnable: list[nn.Parameter]) -> None:
         """After ``zero_grad``: the twin's gradients dropped where the optimizer stepped
         stand-ins."""

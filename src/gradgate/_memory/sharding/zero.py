@@ -127,22 +127,25 @@ def _unique(params: Any) -> list[nn.Parameter]:
 
 
 class _Zero(Engine):
-    """What ZeRO 1, 2 and 3 share: the master partition, the optimizer state of the whole
-    partition (DeepSpeed makes it flat; ``step_learners_only`` steps the learners' stretches
-    of it), and the step's fp32 gradient buffer."""
+    """What ZeRO 1, 2 and 3 share: the masters ZeRO keeps itself, and the step: the
+    partition's gradients flattened into one buffer, the torch optimizer stepping the
+    learners' stretches of the partition (``step_learners_only``), state made for those."""
 
-    def __init__(self, stage: int, world: int, knobs: ZeroKnobs, optimizer: str) -> None:
+    def __init__(
+        self, stage: int, world: int, knobs: ZeroKnobs, optimizer: str, masters: bool = False
+    ) -> None:
         self.stage, self.world, self.knobs = stage, world, knobs
+        self.masters = masters  # LearnerMasters: ZeRO keeps its partitions in the model's dtype
+        self.dtype = torch.float32  # the model's (its parameters')
         self.name = f"zero{stage}"
         self.params: list[nn.Parameter] = []
         self.counter: StepCounter | None = None
         self.gloo = False  # a CPU plan: gloo's collectives copy their input
-        self.slots = _SLOTS.get(optimizer, 2)  # fp32 state tensors per element
-        self.counts = optimizer.startswith("adam")  # Adam's step count, one tensor
-        self.state: list[torch.Tensor] = []  # the flat state, once made
+        slots = _SLOTS.get(optimizer, 2)  # fp32 state tensors per element
+        self.per_element = 4 * (slots + 1) if masters else 4 * slots  # LearnerMasters: + master
+        self.per_stretch = 4 if optimizer.startswith("adam") else 0  # Adam's step count
         self._held: list[torch.Tensor] = []
         self._hooks: list[Any] = []
-        self._optimizer: torch.optim.Optimizer | None = None
 
     def hook(self, learnable: list[nn.Parameter], reduced: Any) -> None:
         """``reduced(param)`` when a gradient is made, this row only."""
@@ -151,48 +154,37 @@ class _Zero(Engine):
         self._hooks = [p.register_post_accumulate_grad_hook(reduced) for p in learnable]
 
     def partition(self) -> int:
-        """Elements of this rank's fp32 partition."""
+        """Elements of this rank's partition."""
         raise NotImplementedError
 
     def segments(self, learners: list[nn.Parameter]) -> list[int]:
         """Elements of each learner's stretch of this rank's partition (those stepped)."""
         raise NotImplementedError
 
-    def steps(self, learners: list[nn.Parameter]) -> bool:
-        """Whether this rank steps (a learner touches its partition)."""
-        return bool(self.segments(learners))
-
     def masters_held(self) -> int:
-        return 4 * self.partition()
-
-    def state_held(self, labelled: int) -> int:
-        return (self.slots * self.partition() + self.counts) * 4 if self.slots else 0
-
-    def make_state(self, counter: StepCounter) -> None:
-        """The optimizer state of the whole partition, in fp32."""
-        if self.state or not self.slots:
-            return
-        self.state = [torch.empty(self.slots * self.partition(), dtype=torch.float32)]
-        if self.counts:
-            self.state.append(torch.empty((), dtype=torch.float32))
-        for tensor in self.state:
-            counter.relabel(tensor, "state")
+        """ZeRO's own masters: a copy of the partition in fp32, or with LearnerMasters
+        (``bf16_master_weights_and_grads``) in the model's dtype; none at stage 3 where that
+        is the partition's dtype (shared with it)."""
+        dtype = self.dtype if self.masters else torch.float32
+        if self.stage == 3 and dtype == self.dtype:
+            return 0  # shared: step_learners_only points ZeRO-3's copy at the partition
+        return dtype.itemsize * self.partition()
 
     def stepped(self, learnable: list[nn.Parameter], counter: StepCounter) -> list[nn.Parameter]:
-        """The partition's gradients flattened into one fp32 buffer, then the model's freed;
-        the torch optimizer steps the learners' stretches of the partition (stand-ins: their
-        bytes are the masters' and the buffer's)."""
+        """The partition's gradients flattened into one buffer (fp32, or the model's dtype
+        with LearnerMasters), then the model's freed; stand-ins for the learners' stretches
+        (their bytes are the masters' and the buffer's), which the optimizer steps."""
         learners = [p for p in learnable if p.grad is not None]
         sizes = self.segments(learners)
-        flat = torch.empty(self.partition(), dtype=torch.float32) if sizes else None
+        dtype = self.dtype if self.masters else torch.float32  # the partition's
+        flat = torch.empty(self.partition(), dtype=dtype) if sizes else None
         self.drop_grads(learnable)
         if flat is None:
             return []
-        self.make_state(counter)
         stand_ins = []
         for size in sizes:
             with counter.paused():
-                part = nn.Parameter(torch.empty(size, dtype=torch.float32))
+                part = nn.Parameter(torch.empty(size, dtype=dtype))
                 part.grad = torch.empty_like(part)
             counter.track(part, "state", size=0)
             counter.track(part.grad, "other", size=0)
@@ -203,26 +195,6 @@ class _Zero(Engine):
     def drop_grads(self, learnable: list[nn.Parameter]) -> None:
         for param in learnable:
             param.grad = None
-
-    def after_step(self) -> None:
-        """``step_learners_only`` puts the stretches' state back into flat tensors, one per
-        state key (the step count too, as a float per element, dropped after), made while
-        the stretches' state is alive; then the stretches' state goes."""
-        if self._optimizer is None:
-            return
-        counter = self.counter
-        assert counter is not None
-        self.make_state(counter)
-        if self.counts:
-            counts = torch.empty(self.partition(), dtype=torch.float32)
-            del counts
-        self._optimizer.state.clear()
-        self._optimizer = None
-
-    def prepare(self, optimizer: torch.optim.Optimizer, counter: StepCounter) -> None:
-        """The flat state split into the stretches' own state (the learners' only)."""
-        self.state = []
-        self._optimizer = optimizer
 
     def finish(self, learnable: list[nn.Parameter]) -> None:
         self._held = []

@@ -17,12 +17,13 @@ class Zero12(_Zero):
     """ZeRO stage 1 or 2 over ``world`` ranks; the rank planned is chosen when backward ends
     (the one holding the most gradients and optimizer state)."""
 
-    def __init__(self, stage: int, world: int, knobs: ZeroKnobs, optimizer: str) -> None:
-        super().__init__(stage, world, knobs, optimizer)
+    def __init__(
+        self, stage: int, world: int, knobs: ZeroKnobs, optimizer: str, masters: bool = False
+    ) -> None:
+        super().__init__(stage, world, knobs, optimizer, masters)
         self.rank = world - 1
         self.starts: dict[int, int] = {}
         self.total = self.aligned = self.size = 0
-        self.dtype = torch.float32
         self._bucket: list[torch.Tensor] = []
         self._kept: torch.Tensor | None = None  # ZeRO 2's averaged gradients
         self._zeros: list[torch.Tensor] = []
@@ -84,17 +85,17 @@ class Zero12(_Zero):
 
     def _load(self, rank: int, learners: set[int]) -> tuple[int, int]:
         """What ``rank`` holds beyond the parts every rank holds: gradients, and optimizer
-        state if a learner touches its partition (DeepSpeed then steps it whole)."""
-        stepped = any(id(p) in learners for p in self._touching(rank))
-        return (self._grads(rank, learners) + (self.slots * 4 * self.size if stepped else 0), rank)
+        state (masters too, with LearnerMasters) for its stretches of the learners."""
+        parts = [self.overlap(p, rank) for p in self.params if id(p) in learners]
+        state = sum(self.per_element * n + self.per_stretch for n in parts if n)
+        return (self._grads(rank, learners) + state, rank)
 
     # -- the step ------------------------------------------------------------------------------
     def start(self, counter: StepCounter, learnable: list[nn.Parameter]) -> list[Any]:
         self.counter, self._bucket, self._kept, self._zeros = counter, [], None, []
-        self.state = []  # made at the first step that steps this rank
         padding = torch.empty(self.aligned - self.total, dtype=self.dtype)
         counter.relabel(padding, "model")
-        masters = torch.empty(self.size, dtype=torch.float32)
+        masters = torch.empty(self.size, dtype=self.dtype if self.masters else torch.float32)
         counter.relabel(masters, "state")
         self.hook(learnable, self._reduced)
         return [padding, masters]

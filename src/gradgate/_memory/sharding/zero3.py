@@ -18,8 +18,8 @@ from .zero import ZeroKnobs, _unique, _Zero, ceil_part
 class Zero3(_Zero):
     """ZeRO stage 3 over ``world`` ranks (every rank holds the same: partitions are padded)."""
 
-    def __init__(self, world: int, knobs: ZeroKnobs, optimizer: str) -> None:
-        super().__init__(3, world, knobs, optimizer)
+    def __init__(self, world: int, knobs: ZeroKnobs, optimizer: str, masters: bool = False) -> None:
+        super().__init__(3, world, knobs, optimizer, masters)
         self.persistent: set[int] = set()
         self.modules: list[_Module] = []
         self.gathered: dict[int, list[torch.Tensor]] = {}  # parameter id -> its full data
@@ -28,6 +28,7 @@ class Zero3(_Zero):
 
     def attach(self, twin: nn.Module, blocks: list[nn.Module]) -> None:
         self.params = _unique(twin.parameters())
+        self.dtype = self.params[0].dtype if self.params else torch.float32
         kept = 0
         for _, param in twin.named_parameters():  # DeepSpeed's mark_persistent_parameters
             numel = param.numel()
@@ -59,38 +60,20 @@ class Zero3(_Zero):
     def segments(self, learners: list[nn.Parameter]) -> list[int]:
         return [ceil_part(p.numel(), self.world) for p in learners]
 
-    def prepare(self, optimizer: torch.optim.Optimizer, counter: StepCounter) -> None:
-        """The stretches' state is the state DeepSpeed made for the whole partition when it
-        started, kept split by ``step_learners_only``: no bytes of its own."""
-        names = {2: ("exp_avg", "exp_avg_sq"), 1: ("momentum_buffer",)}.get(self.slots, ())
-        for group in optimizer.param_groups:
-            for part in group["params"]:
-                with counter.paused():
-                    entry: dict[str, Any] = {name: torch.zeros_like(part) for name in names}
-                    if self.counts:
-                        entry["step"] = torch.tensor(0.0)  # a constant: the step reads it
-                for value in entry.values():
-                    counter.track(value, "state", size=0)
-                optimizer.state[part] = entry
-
-    def after_step(self) -> None:
-        """No flat tensors made again: the state stays in stretches."""
-
     # -- the step ------------------------------------------------------------------------------
     def start(self, counter: StepCounter, learnable: list[nn.Parameter]) -> list[Any]:
-        self.counter, self.backward, self.gathered, self.state = counter, False, {}, []
+        self.counter, self.backward, self.gathered = counter, False, {}
         dtype = self.params[0].dtype if self.params else torch.float32
         kept = [
             torch.empty(p.numel(), dtype=p.dtype) for p in self.params if id(p) in self.persistent
         ]
         for tensor in kept:
             counter.relabel(tensor, "model")
-        masters = torch.empty(self.partition(), dtype=torch.float32)
+        masters = torch.empty(self.masters_held(), dtype=torch.uint8)  # 0: shared
         counter.relabel(masters, "state")
         grads = torch.zeros(self.partition(), dtype=dtype)
         counter.relabel(grads, "grad")
         bucket = torch.empty(self.knobs.reduce_bucket_size, dtype=dtype)
-        self.make_state(counter)  # DeepSpeed makes it when it starts
         self.hook(learnable, self._reduced)
         for module in self.modules:
             module.reset()
