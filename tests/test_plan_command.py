@@ -440,3 +440,28 @@ def test_a_deepspeed_config_sets_zeros_buckets(
     assert small_row[:2] == default_row[:2]  # the same parameters per GPU
     # other: DeepSpeed's default bucket, 5e8 bf16 elements (953.67 MiB), or 64 x 64 of them
     assert float(default_row[8]) > 953 and default_row[9] == "MiB" and small_row[9] == "KiB"
+
+
+@pytest.mark.slow
+def test_a_70b_badam_run_is_planned_per_gpu_in_a_minute() -> None:
+    """'Does a Llama-3-70B BAdam run fit 4 x 80 GB at 1 x 2048?' answered from the docs'
+    config in under a minute of CPU: yes with FSDP2, the parts each GPU's shard."""
+    import resource
+    import subprocess
+    import sys
+
+    root = Path(gg.__file__).parents[2]
+    command = [
+        sys.executable, "-m", "gradgate", "plan", str(root / "docs/configs/llama3-70b.json"),
+        "--batch", "1", "--seq", "2048", "--badam", "--checkpointing", "--gpus", "4",
+        "--shard", "fsdp2", "--memory", "80GB",
+    ]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(gg.__file__).parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime < 60
+    assert "per rank: fsdp2 over 4 ranks" in done.stdout
+    assert "learn {0} fits in 80GB per GPU (4 GPUs, fsdp2)" in done.stdout
+    badam = rows(done.stdout)["learn {0}"]
+    assert badam[:6] == ["32.85", "GiB", "408.01", "MiB", "2.39", "GiB"]

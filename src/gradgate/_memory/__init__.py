@@ -8,7 +8,8 @@ once), ``memory_plan`` (``MemoryPlan`` and ``MemoryRow``, the result: ``fits``, 
 HTML), ``budget`` (a row's peak plus headroom, sizes, the depths planned around a budget),
 ``configs`` and ``plan_command`` (``gradgate plan``: a transformers config planned on
 the meta device), ``learners`` (its ``--learn`` and ``--freeze``, and what learns in a row, in
-words).
+words), ``sharding/`` (one rank of several: DDP, FSDP2 and DeepSpeed ZeRO emulated on the
+twin).
 
 May import: ``_plumbing``, ``_select``, ``_cut``, ``_tools``; not ``_observe``, the other half
 of this layer. ``masters="fp32"`` plans by running ``LearnerMasters`` (``_tools/masters``).

@@ -94,6 +94,14 @@ def estimate(
     mode (train or eval) the model is in. ``blocks`` names the block sequence as for
     :class:`BackpropGate`. The model itself is never changed.
 
+    ``world=N`` with ``shard="ddp"``, ``"fsdp2"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` plans
+    one GPU of ``N``: every row is the bytes of the rank that holds the most, its parameters,
+    gradients, masters and optimizer state divided as that engine divides them (padding
+    included), and its peak with what the engine gathers and reduces around each block (FSDP2:
+    ``fully_shard`` on each block and on the model; ZeRO: DeepSpeed's rules, stepped through
+    ``step_learners_only``; ``deepspeed=`` a config, dict or JSON path, for its buckets). The
+    example batch is one rank's micro-batch. See docs/depth-fits.md, "Per rank".
+
     The example batch is ``example_args`` and every keyword ``estimate`` does not take, passed
     to the forward as they are. A keyword that reads as one of the options above misspelt
     (``mastres=``, ``depth=``, ``torch_dtype=``: case ignored, difflib ratio 0.75 or more) is

@@ -88,7 +88,9 @@ def _ordered(items: frozenset[int | str]) -> list[int | str]:
 
 class MemoryPlan:
     """Predicted memory of a training step per depth (or learning set): ``plan.rows``,
-    ``plan[depth]``, ``plan.fits("24GiB")``, ``plan.table()``, ``plan.to_json()``.
+    ``plan[depth]``, ``plan.fits("24GiB")``, ``plan.table()``, ``plan.to_json()``. With
+    ``plan.shard`` set (``"ddp"``, ``"fsdp2"``, ``"zero1"``...), every row is one of
+    ``plan.world`` ranks.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])

@@ -48,6 +48,7 @@ _KNOBS = {  # DeepSpeed's name -> ours; the stage 3 ones with their stage3_ pref
     "stage3_model_persistence_threshold": "model_persistence_threshold",
     "stage3_max_live_parameters": "max_live_parameters",
     "stage3_max_reuse_distance": "max_reuse_distance",
+    "sub_group_size": "sub_group_size",
 }
 
 
@@ -63,6 +64,7 @@ class ZeroKnobs:
     model_persistence_threshold: int = sys.maxsize
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000  # ZeRO-3 steps its partition in groups of this many
 
 
 def zero_knobs(config: object, stage: int, hidden: int | None) -> ZeroKnobs:
@@ -161,6 +163,10 @@ class _Zero(Engine):
         """Elements of each learner's stretch of this rank's partition (those stepped)."""
         raise NotImplementedError
 
+    def stepped_at_once(self) -> int:
+        """Elements of the partition the step flattens at once (ZeRO-3: a sub-group)."""
+        return self.partition()
+
     def masters_held(self) -> int:
         """ZeRO's own masters: a copy of the partition in fp32, or with LearnerMasters
         (``bf16_master_weights_and_grads``) in the model's dtype; none at stage 3 where that
@@ -177,7 +183,7 @@ class _Zero(Engine):
         learners = [p for p in learnable if p.grad is not None]
         sizes = self.segments(learners)
         dtype = self.dtype if self.masters else torch.float32  # the partition's
-        flat = torch.empty(self.partition(), dtype=dtype) if sizes else None
+        flat = torch.empty(self.stepped_at_once(), dtype=dtype) if sizes else None
         self.drop_grads(learnable)
         if flat is None:
             return []

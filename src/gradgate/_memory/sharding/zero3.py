@@ -60,6 +60,16 @@ class Zero3(_Zero):
     def segments(self, learners: list[nn.Parameter]) -> list[int]:
         return [ceil_part(p.numel(), self.world) for p in learners]
 
+    def stepped_at_once(self) -> int:
+        """The largest sub-group: parameters in order until their partitions reach
+        ``sub_group_size`` elements (DeepSpeed steps one sub-group at a time)."""
+        largest = current = 0
+        for param in self.params:
+            current += ceil_part(param.numel(), self.world)
+            if current >= self.knobs.sub_group_size:
+                largest, current = max(largest, current), 0
+        return max(largest, current)
+
     # -- the step ------------------------------------------------------------------------------
     def start(self, counter: StepCounter, learnable: list[nn.Parameter]) -> list[Any]:
         self.counter, self.backward, self.gathered = counter, False, {}
