@@ -17,6 +17,7 @@ import torch
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
 from .masters_checks import refuse_plain, refused
+from .sharded import local
 
 __all__ = ["LearnerMasters"]
 
@@ -208,7 +209,8 @@ class LearnerMasters(torch.optim.Optimizer):
 
         Entries resting on the CPU (``offload="cpu"``) are not counted; nor, for a parameter
         on a GPU, are scalars the inner optimizer keeps on the CPU (AdamW's ``step``).
-        :func:`gradgate.optim.state_bytes` counts everything.
+        :func:`gradgate.optim.state_bytes` counts everything. Under FSDP2 (``fully_shard``)
+        these are this rank's bytes: the masters and state of the learners' local shards.
         """
         storages: dict[int, Any] = {}
         for param, entry in self.state.items():
@@ -216,7 +218,7 @@ class LearnerMasters(torch.optim.Optimizer):
                 continue
             for value in entry.values():
                 if isinstance(value, torch.Tensor) and value.device == param.device:
-                    storage = value.untyped_storage()
+                    storage = local(value).untyped_storage()
                     storages[id(storage)] = storage
         return sum(storage.nbytes() for storage in storages.values())
 
