@@ -17,7 +17,7 @@ import torch
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
 from .masters_checks import refuse_plain, refused
-from .sharded import local
+from .sharded import is_checkpoint_probe, is_sharded, local, sharded_like
 
 __all__ = ["LearnerMasters"]
 
@@ -100,6 +100,8 @@ class LearnerMasters(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step every parameter that has a ``.grad`` on its master; rest the others first."""
+        if closure is None and is_checkpoint_probe(self):
+            return None  # torch.distributed.checkpoint's probe would make masters of everything
         loss = None
         if closure is not None:  # Lightning runs forward and backward in it
             with torch.enable_grad():
@@ -124,7 +126,7 @@ class LearnerMasters(torch.optim.Optimizer):
         found = []
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                if param not in self._known:
+                if param not in self._known and not self._adopt(param):
                     raise InvalidOptionError(
                         f"LearnerMasters' parameter groups hold a {tuple(param.shape)} "
                         f"{param.dtype} tensor it was not given (DeepSpeed ZeRO replaces the "
@@ -137,6 +139,14 @@ class LearnerMasters(torch.optim.Optimizer):
                 if param.grad is not None:
                     found.append((index, param))
         return found
+
+    def _adopt(self, param: torch.Tensor) -> bool:
+        """Take a sharded parameter put in place of one given: accelerate's FSDP2 preparation
+        swaps the model's parameters for their DTensor shards in the optimizer's groups."""
+        if not is_sharded(param):
+            return False
+        self._known.add(param)
+        return True
 
     def _step_chunk(
         self, chunk: list[tuple[int, torch.Tensor]], groups: list[dict[str, Any]]
@@ -271,6 +281,7 @@ class LearnerMasters(torch.optim.Optimizer):
     def _loaded(self, key: str, value: Any, param: torch.Tensor, group: dict[str, Any]) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
+        value = sharded_like(value, param)  # a whole tensor (a full state dict) of a shard
         where = "cpu" if self._offload is not None and param.dtype in _LOW else None
         device = where or _home(key, param, group)
         if key == "step" or not value.is_floating_point():

@@ -20,7 +20,7 @@ from .._plumbing.errors import InvalidOptionError
 from .._select.names import Pattern, check_module, resolve_blocks
 from .._tools.masters import LearnerMasters
 from .._tools.optimizer import add_group, held
-from .._tools.sharded import local
+from .._tools.sharded import clip_grad_norm_, local
 
 if TYPE_CHECKING:
     from ..schedules import Schedule
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LearnerMasters",
     "add_missing",
+    "clip_grad_norm_",
     "drop_finished",
     "drop_state",
     "param_groups",
