@@ -374,7 +374,7 @@ def run_rank(rank: int, world: int, port: int, out: str, module: str) -> None:
         try:
             scenario(rank, world, record)
             record["outcome"] = "ok"
-        except Exception:
+        except (Exception, pytest.fail.Exception):  # a failed pytest.raises is no Exception
             record["outcome"] = traceback.format_exc()
         record["seconds"] = time.perf_counter() - start
         results[scenario.__name__] = record

@@ -160,9 +160,7 @@ class Module(lightning.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": lr, "interval": "step"}}
 
 
-def lightning_model_parallel_strategy_is_exact(
-    rank: int, world: int, record: dict[str, Any]
-) -> None:
+def lightning_fit(rank: int, world: int, steps: int, ckpt: str | None = None) -> Any:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from gradgate.integrations.lightning import GateCallback
@@ -172,19 +170,42 @@ def lightning_model_parallel_strategy_is_exact(
     data = [(part(x, rank, world), part(y, rank, world)) for x, y in batches(STEPS)]
     trainer = lightning_trainer(
         Path(os.environ["GRADGATE_TEST_OUT"]) / "lightning",
-        max_steps=STEPS,
+        max_steps=steps,
         devices=world,
         # its "auto" sizes are one data-parallel rank per node and tensor parallelism inside
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         use_distributed_sampler=False,  # each rank's half-batches are given as they are
         callbacks=[GateCallback(badam(), model="net", blocks="blocks.*")],
     )
-    trainer.fit(Module(net), torch.utils.data.DataLoader(data, batch_size=1))
+    trainer.fit(Module(net), torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=ckpt)
+    return trainer
+
+
+def lightning_model_parallel_strategy_is_exact(
+    rank: int, world: int, record: dict[str, Any]
+) -> None:
+    trainer = lightning_fit(rank, world, STEPS)
     assert isinstance(trainer.optimizers[0], gg.optim.LearnerMasters)
-    assert_same_as(net, reference(), "Lightning, ModelParallelStrategy")
+    assert_same_as(trainer.lightning_module.net, reference(), "Lightning, ModelParallelStrategy")
 
 
-SCENARIOS = [hf_trainer_with_accelerates_fsdp2_is_exact, lightning_model_parallel_strategy_is_exact]
+def lightning_distributed_checkpoint_cannot_lose_the_masters(
+    rank: int, world: int, record: dict[str, Any]
+) -> None:
+    """Its default checkpoint is torch.distributed.checkpoint's sharded one, read into a fresh
+    optimizer's state_dict: LearnerMasters' masters and moments would not be read (the resumed
+    run went on without them); the load raises instead."""
+    path = str(Path(os.environ["GRADGATE_TEST_OUT"]) / "lightning" / "step-3")
+    lightning_fit(rank, world, 3).save_checkpoint(path)
+    with pytest.raises(gg.GradgateError, match="held fp32 masters and moments for 6 param"):
+        lightning_fit(rank, world, STEPS, ckpt=path)
+
+
+SCENARIOS = [
+    hf_trainer_with_accelerates_fsdp2_is_exact,
+    lightning_model_parallel_strategy_is_exact,
+    lightning_distributed_checkpoint_cannot_lose_the_masters,
+]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
 from .masters_checks import refuse_plain, refused
-from .sharded import is_checkpoint_probe, is_sharded, local, sharded_like
+from . import sharded
 
 __all__ = ["LearnerMasters"]
 
@@ -100,7 +100,7 @@ class LearnerMasters(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step every parameter that has a ``.grad`` on its master; rest the others first."""
-        if closure is None and is_checkpoint_probe(self):
+        if closure is None and sharded.is_checkpoint_probe(self):
             return None  # torch.distributed.checkpoint's probe would make masters of everything
         loss = None
         if closure is not None:  # Lightning runs forward and backward in it
@@ -143,7 +143,7 @@ class LearnerMasters(torch.optim.Optimizer):
     def _adopt(self, param: torch.Tensor) -> bool:
         """Take a sharded parameter put in place of one given: accelerate's FSDP2 preparation
         swaps the model's parameters for their DTensor shards in the optimizer's groups."""
-        if not is_sharded(param):
+        if not sharded.is_sharded(param):
             return False
         self._known.add(param)
         return True
@@ -228,9 +228,14 @@ class LearnerMasters(torch.optim.Optimizer):
                 continue
             for value in entry.values():
                 if isinstance(value, torch.Tensor) and value.device == param.device:
-                    storage = local(value).untyped_storage()
+                    storage = sharded.local(value).untyped_storage()
                     storages[id(storage)] = storage
         return sum(storage.nbytes() for storage in storages.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict; each group also counts its parameters that have state, so that a
+        load that lost them says so (see :func:`.sharded.with_held`)."""
+        return sharded.with_held(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned; masters and moments keep their fp32 dtype.
@@ -247,8 +252,10 @@ class LearnerMasters(torch.optim.Optimizer):
                 f"state_dict={state_dict!r:.60}; expected the dict an optimizer's state_dict() "
                 "returned, with 'state' and 'param_groups'."
             )
-        entries = self._placed(saved, state_dict["param_groups"])
-        super().load_state_dict({**state_dict, "state": {}})  # torch would cast masters to bf16
+        groups = sharded.checked_held(state_dict["param_groups"], saved)
+        entries = self._placed(saved, groups)
+        # torch would cast masters to bf16
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._resting.clear()
         self._versions.clear()
         for param, entry in entries.items():
@@ -281,7 +288,7 @@ class LearnerMasters(torch.optim.Optimizer):
     def _loaded(self, key: str, value: Any, param: torch.Tensor, group: dict[str, Any]) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        value = sharded_like(value, param)  # a whole tensor (a full state dict) of a shard
+        value = sharded.sharded_like(value, param)  # a whole tensor (a full state dict) of a shard
         where = "cpu" if self._offload is not None and param.dtype in _LOW else None
         device = where or _home(key, param, group)
         if key == "step" or not value.is_floating_point():

@@ -16,7 +16,19 @@ import torch
 
 from .._plumbing.errors import InvalidOptionError
 
-__all__ = ["clip_grad_norm_", "is_checkpoint_probe", "is_sharded", "local", "sharded_like"]
+__all__ = [
+    "HELD",
+    "checked_held",
+    "clip_grad_norm_",
+    "is_checkpoint_probe",
+    "is_sharded",
+    "local",
+    "sharded_like",
+    "with_held",
+]
+
+# in each saved parameter group: how many of its parameters had state (masters and moments)
+HELD = "learner_masters_held"
 
 
 def _dtensor_class() -> type | None:
@@ -74,6 +86,40 @@ def is_checkpoint_probe(optimizer: torch.optim.Optimizer) -> bool:
     if any(g is None for g in grads):
         return False
     return not any(bool(local(g).any()) for g in grads if g is not None)
+
+
+def with_held(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` whose groups count their parameters that have state.
+
+    torch.distributed.checkpoint's sharded load (Lightning's and accelerate's distributed
+    checkpoints) reads into a template: the state_dict of a freshly built optimizer. A fresh
+    LearnerMasters holds no state, so the masters and moments would not be read, and training
+    would go on without them; the groups' counts, which are read, tell that apart from a state
+    that was empty when saved.
+    """
+    saved = state_dict["state"]
+    for group in state_dict["param_groups"]:
+        group[HELD] = sum(1 for i in group.get("params", ()) if i in saved)
+    return state_dict
+
+
+def checked_held(groups: list[dict[str, Any]], saved: dict[Any, Any]) -> list[dict[str, Any]]:
+    """The saved groups without their counts, once each count is met by the saved state."""
+    for index, group in enumerate(groups):
+        held = group.get(HELD)
+        found = sum(1 for i in group.get("params", ()) if i in saved)
+        if held is not None and held != found:
+            raise InvalidOptionError(
+                f"the optimizer state_dict's group {index} held fp32 masters and moments for "
+                f"{held} parameters, and {found} arrived: torch.distributed.checkpoint's "
+                "sharded load (Lightning's and accelerate's distributed checkpoints) reads only "
+                "what a freshly built optimizer holds, and LearnerMasters holds nothing before "
+                "its first step. Expected this optimizer's own state_dict() saved per rank, or "
+                "a full one (get_optimizer_state_dict(model, optimizer, options="
+                "StateDictOptions(full_state_dict=True))) given to load_state_dict "
+                "(docs/distributed.md, '70B on one node')."
+            )
+    return [{k: v for k, v in group.items() if k != HELD} for group in groups]
 
 
 @torch.no_grad()

@@ -1,0 +1,58 @@
+"""LearnerMasters' state_dict in one process: each group counts its parameters that have state,
+so that a load which lost the masters and moments (torch.distributed.checkpoint's sharded load
+reads into a fresh optimizer's empty state) raises instead of training on without them. The
+sharded and full state dicts across ranks are tested in tests/test_masters_fsdp.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_masters import OPTS, batches, loss_of, make
+
+import gradgate as gg
+
+
+def stepped() -> tuple[torch.nn.Module, gg.optim.LearnerMasters]:
+    model = make()
+    model.blocks[0].requires_grad_(False)
+    opt = gg.optim.LearnerMasters(torch.optim.AdamW, model.parameters(), **OPTS)
+    x, y = batches(1)[0]
+    loss_of(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def test_each_saved_group_counts_its_parameters_with_state() -> None:
+    model, opt = stepped()
+    saved = opt.state_dict()
+    learning = sum(p.requires_grad for p in model.parameters())
+    assert [g["learner_masters_held"] for g in saved["param_groups"]] == [learning]
+    assert len(saved["state"]) == learning
+    fresh = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    assert "learner_masters_held" not in fresh.param_groups[0]  # not a live option
+    assert len(fresh.state) == learning
+
+
+def test_a_load_that_lost_the_state_raises() -> None:
+    _, opt = stepped()
+    lost = {**opt.state_dict(), "state": {}}  # what a sharded DCP load into a fresh one reads
+    fresh = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
+    with pytest.raises(gg.GradgateError, match=r"moments for 16 parameters, and 0 arrived"):
+        fresh.load_state_dict(lost)
+    assert not fresh.state and "learner_masters_held" not in fresh.param_groups[0]
+
+
+def test_a_state_dict_without_counts_loads_as_before() -> None:
+    """A plain optimizer's, or one saved by an earlier release."""
+    model = make()
+    plain = torch.optim.AdamW(model.parameters(), **OPTS)
+    x, y = batches(1)[0]
+    loss_of(model, x, y).backward()
+    plain.step()
+    opt = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
+    opt.load_state_dict(plain.state_dict())
+    assert len(opt.state) == len(list(model.parameters()))
