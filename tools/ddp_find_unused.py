@@ -41,7 +41,7 @@ from torch import nn
 from torch.multiprocessing.spawn import spawn
 
 import gradgate as gg
-from gradgate._bench.schedules import _model
+from gradgate._bench.sections.schedules import _model
 
 WORLD = 2
 ARMS = (  # (depth, find_unused_parameters, gated)

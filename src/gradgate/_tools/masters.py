@@ -233,8 +233,8 @@ class LearnerMasters(torch.optim.Optimizer):
         return sum(storage.nbytes() for storage in storages.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state_dict; each group also counts its parameters that have state, so that a
-        load that lost them says so (see :func:`.sharded.with_held`)."""
+        """torch's state_dict; each group also counts its parameters that have state
+        (``learner_masters_held``), so that a load which lost them raises."""
         return sharded.with_held(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
