@@ -56,3 +56,20 @@ def test_a_state_dict_without_counts_loads_as_before() -> None:
     opt = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
     opt.load_state_dict(plain.state_dict())
     assert len(opt.state) == len(list(model.parameters()))
+
+
+def test_the_checkpoint_probe_makes_no_masters() -> None:
+    """torch.distributed.checkpoint's get_optimizer_state_dict steps an optimizer without state
+    once (lr 0, a zero .grad on every parameter that requires grad): LearnerMasters makes no
+    master, also with a frozen head (which the probe leaves without a .grad), and moves nothing."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = make()
+    model.head.requires_grad_(False)
+    opt = gg.optim.LearnerMasters(torch.optim.AdamW, model.parameters(), **OPTS)
+    before = copy.deepcopy(model.state_dict())
+    assert get_optimizer_state_dict(model, opt)["state"] == {}
+    assert not opt.state and opt.master_bytes() == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert opt.param_groups[0]["lr"] == OPTS["lr"]

@@ -82,8 +82,9 @@ def is_checkpoint_probe(optimizer: torch.optim.Optimizer) -> bool:
         return False
     if any(float(group.get("lr", 1.0)) != 0.0 for group in optimizer.param_groups):
         return False
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-    if any(g is None for g in grads):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.requires_grad]  # the probe leaves the frozen alone
+    if not grads or any(g is None for g in grads):
         return False
     return not any(bool(local(g).any()) for g in grads if g is not None)
 
