@@ -16,8 +16,8 @@ import torch
 
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
-from .masters_checks import refuse_plain, refused
 from . import sharded
+from .masters_checks import refuse_plain, refused
 
 __all__ = ["LearnerMasters"]
 
