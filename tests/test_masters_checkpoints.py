@@ -47,15 +47,26 @@ def test_a_load_that_lost_the_state_raises() -> None:
 
 
 def test_a_state_dict_without_counts_loads_as_before() -> None:
-    """A plain optimizer's, or one saved by an earlier release."""
+    """One saved by an earlier release, or a plain optimizer's taken on purpose (its moments
+    upcast to float32, as LearnerMasters' message for a plain one says)."""
+    _, opt = stepped()
+    old = copy.deepcopy(opt.state_dict())
+    for group in old["param_groups"]:
+        del group["learner_masters_held"]
+    fresh = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
+    fresh.load_state_dict(old)
+    assert len(fresh.state) == len(old["state"]) == 16
     model = make()
     plain = torch.optim.AdamW(model.parameters(), **OPTS)
     x, y = batches(1)[0]
     loss_of(model, x, y).backward()
     plain.step()
-    opt = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
-    opt.load_state_dict(plain.state_dict())
-    assert len(opt.state) == len(list(model.parameters()))
+    moments = plain.state_dict()
+    for entry in moments["state"].values():
+        entry.update({k: v.float() for k, v in entry.items() if k != "step"})
+    fresh = gg.optim.LearnerMasters(torch.optim.AdamW, make().parameters(), **OPTS)
+    fresh.load_state_dict(moments)
+    assert len(fresh.state) == len(list(model.parameters()))
 
 
 def test_the_checkpoint_probe_makes_no_masters() -> None:
