@@ -16,6 +16,7 @@ import torch
 
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice
+from . import sharded
 from .masters_checks import refuse_plain, refused
 
 __all__ = ["LearnerMasters"]
@@ -99,6 +100,8 @@ class LearnerMasters(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step every parameter that has a ``.grad`` on its master; rest the others first."""
+        if closure is None and sharded.is_checkpoint_probe(self):
+            return None  # torch.distributed.checkpoint's probe would make masters of everything
         loss = None
         if closure is not None:  # Lightning runs forward and backward in it
             with torch.enable_grad():
@@ -123,7 +126,7 @@ class LearnerMasters(torch.optim.Optimizer):
         found = []
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                if param not in self._known:
+                if param not in self._known and not self._adopt(param):
                     raise InvalidOptionError(
                         f"LearnerMasters' parameter groups hold a {tuple(param.shape)} "
                         f"{param.dtype} tensor it was not given (DeepSpeed ZeRO replaces the "
@@ -136,6 +139,14 @@ class LearnerMasters(torch.optim.Optimizer):
                 if param.grad is not None:
                     found.append((index, param))
         return found
+
+    def _adopt(self, param: torch.Tensor) -> bool:
+        """Take a sharded parameter put in place of one given: accelerate's FSDP2 preparation
+        swaps the model's parameters for their DTensor shards in the optimizer's groups."""
+        if not sharded.is_sharded(param):
+            return False
+        self._known.add(param)
+        return True
 
     def _step_chunk(
         self, chunk: list[tuple[int, torch.Tensor]], groups: list[dict[str, Any]]
@@ -208,7 +219,8 @@ class LearnerMasters(torch.optim.Optimizer):
 
         Entries resting on the CPU (``offload="cpu"``) are not counted; nor, for a parameter
         on a GPU, are scalars the inner optimizer keeps on the CPU (AdamW's ``step``).
-        :func:`gradgate.optim.state_bytes` counts everything.
+        :func:`gradgate.optim.state_bytes` counts everything. Under FSDP2 (``fully_shard``)
+        these are this rank's bytes: the masters and state of the learners' local shards.
         """
         storages: dict[int, Any] = {}
         for param, entry in self.state.items():
@@ -216,9 +228,14 @@ class LearnerMasters(torch.optim.Optimizer):
                 continue
             for value in entry.values():
                 if isinstance(value, torch.Tensor) and value.device == param.device:
-                    storage = value.untyped_storage()
+                    storage = sharded.local(value).untyped_storage()
                     storages[id(storage)] = storage
         return sum(storage.nbytes() for storage in storages.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict; each group also counts its parameters that have state
+        (``learner_masters_held``), so that a load which lost them raises."""
+        return sharded.with_held(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned; masters and moments keep their fp32 dtype.
@@ -235,8 +252,10 @@ class LearnerMasters(torch.optim.Optimizer):
                 f"state_dict={state_dict!r:.60}; expected the dict an optimizer's state_dict() "
                 "returned, with 'state' and 'param_groups'."
             )
-        entries = self._placed(saved, state_dict["param_groups"])
-        super().load_state_dict({**state_dict, "state": {}})  # torch would cast masters to bf16
+        groups = sharded.checked_held(state_dict["param_groups"], saved)
+        entries = self._placed(saved, groups)
+        # torch would cast masters to bf16
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._resting.clear()
         self._versions.clear()
         for param, entry in entries.items():
@@ -269,6 +288,7 @@ class LearnerMasters(torch.optim.Optimizer):
     def _loaded(self, key: str, value: Any, param: torch.Tensor, group: dict[str, Any]) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
+        value = sharded.sharded_like(value, param)  # a whole tensor (a full state dict) of a shard
         where = "cpu" if self._offload is not None and param.dtype in _LOW else None
         device = where or _home(key, param, group)
         if key == "step" or not value.is_floating_point():

@@ -20,6 +20,7 @@ from .._plumbing.errors import InvalidOptionError
 from .._select.names import Pattern, check_module, resolve_blocks
 from .._tools.masters import LearnerMasters
 from .._tools.optimizer import add_group, held
+from .._tools.sharded import clip_grad_norm_, local
 
 if TYPE_CHECKING:
     from ..schedules import Schedule
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LearnerMasters",
     "add_missing",
+    "clip_grad_norm_",
     "drop_finished",
     "drop_state",
     "param_groups",
@@ -131,7 +133,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
+                storage = local(value).untyped_storage()  # a DTensor: this rank's shard
                 key = (storage.data_ptr(), storage.nbytes())
                 if key not in seen or storage.data_ptr() == 0:
                     seen.add(key)
