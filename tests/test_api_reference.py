@@ -31,6 +31,7 @@ SECTIONS = [
     ("select", "Which modules: blocks and selection"),
     ("gate", "Where the graph starts: cuts and depth"),
     ("compile", "Where the graph starts: cuts and depth"),
+    ("prefix_cache", "Skip the frozen prefix: the prefix cache"),
     ("freeze", "Which parameters learn: freezing"),
     ("handles", "Which parameters learn: freezing"),
     ("rows", "Which rows learn: new tokens"),

@@ -23,6 +23,9 @@ from ._select.names import blocks, select
 from ._cut.gate import BackpropGate, StopGradient, backprop_depth, stop_gradient_at
 from ._cut.compile import compile_blocks
 
+# skip the frozen prefix: later epochs read the first learner's input
+from ._cut.prefix_cache import PrefixCache
+
 # freeze: which parameters learn?
 from ._tools.freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
 from ._plumbing.handles import Handle
@@ -86,6 +89,8 @@ from ._plumbing.errors import (
     NoGraphError,
     NoTensorError,
     PlanNotAppliedWarning,
+    PrefixCacheError,
+    PrefixCacheWarning,
     RankMismatchError,
     RowsError,
     SavedTensorModifiedError,
@@ -148,6 +153,9 @@ __all__ = [
     "NoGraphError",
     "NoTensorError",
     "PlanNotAppliedWarning",
+    "PrefixCache",
+    "PrefixCacheError",
+    "PrefixCacheWarning",
     "RankMismatchError",
     "RowsError",
     "RowsHandle",

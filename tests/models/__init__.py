@@ -221,3 +221,71 @@ def tiny_gpt2(layers: int) -> nn.Module:
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions with BatchNorm, and a 1x1
+    projection on the residual when the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class TinyResNet(nn.Module):
+    """torchvision's ResNet-18 layout at a tiny width: a stem, four stages (``layer1`` to
+    ``layer4``, the blocks) of two basic blocks, average pooling and a linear head ``fc``."""
+
+    def __init__(self, width: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(2)
+        widths = [width, 2 * width, 4 * width, 8 * width]
+        cin = width
+        for i, cout in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            setattr(
+                self,
+                f"layer{i + 1}",
+                nn.Sequential(BasicBlock(cin, cout, stride), BasicBlock(cout, cout)),
+            )
+            cin = cout
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))  # type: ignore[operator]
+        out: torch.Tensor = self.fc(torch.flatten(self.avgpool(x), 1))
+        return out
+
+
+def tiny_resnet() -> tuple[nn.Module, Any, Any]:
+    """A torchvision-style ResNet backbone in eval mode (BatchNorm uses its running statistics),
+    a batch of 4 images of 16 x 16, and a cross-entropy loss."""
+    torch.manual_seed(0)
+    model = TinyResNet().eval()
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        target = torch.arange(batch.shape[0]) % 5
+        return nn.functional.cross_entropy(model(batch), target)
+
+    return model, images, loss

@@ -7,11 +7,10 @@ One rule serves :meth:`MemoryPlan.fits` and ``gradgate plan --memory``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, MutableMapping
 from typing import Protocol, TypeVar
 
-from .._plumbing.errors import InvalidOptionError
+from .._plumbing.units import parse_bytes as parse_bytes  # one rule for sizes people write
 
 
 class Peaked(Protocol):
@@ -23,12 +22,6 @@ class Peaked(Protocol):
 
 Row = TypeVar("Row", bound=Peaked)
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 # fits()'s default headroom over the peak, per target: (bytes, fraction of the peak). Provisional
 # until measured on a GPU: CUDA's cuBLAS/cuDNN workspaces and allocator fragmentation, which
 # no simulation sees (the CUDA context is outside the budget torch can allocate anyway); on the
@@ -51,28 +44,6 @@ def default_headroom(peak_bytes: int, device: str) -> int:
     """
     fixed, fraction = HEADROOM.get(device, HEADROOM["cuda"])
     return fixed + int(fraction * peak_bytes)
-
-
-def parse_bytes(size: object, what: str = "memory budget") -> int:
-    """Bytes from ``24GiB``, ``"80 GB"``, ``"512"`` or a number; a bad value raises, naming
-    ``what`` it was given as.
-
-    >>> parse_bytes("24GiB"), parse_bytes("1.5 kB"), parse_bytes(7)
-    (25769803776, 1500, 7)
-    """
-    value: float | None = None
-    if isinstance(size, (int, float)) and not isinstance(size, bool):
-        value = float(size)
-    elif isinstance(size, str) and (match := _SIZE.fullmatch(size)):
-        unit = _UNITS.get(match[2].lower())
-        value = None if unit is None else float(match[1]) * unit
-    if value is None or not value >= 0 or value == float("inf"):
-        raise InvalidOptionError(
-            f"{what} {size!r} is not a size; expected bytes as a number >= 0 or a string "
-            "with a unit, e.g. '24GiB', '80 GB' or '512MiB' (units: B, kB, MB, GB, TB, KiB, "
-            "MiB, GiB, TiB); a percentage is not a size."
-        )
-    return int(value)
 
 
 def plan_around(

@@ -130,6 +130,11 @@ class RowsError(GradgateError):
     """``learn_rows`` cannot learn rows of this module, or the module changed under it."""
 
 
+class PrefixCacheError(GradgateError):
+    """A prefix cache would serve what the model no longer computes (a checked hit differs, a
+    key's input changed, a directory holds another model's entries); the message names why."""
+
+
 class GradgateWarning(UserWarning):
     """Root of every warning gradgate emits."""
 
@@ -156,6 +161,10 @@ class PlanNotAppliedWarning(GradgateWarning):
     """A plan cannot act where it was set: on a backward whose forward ran under another plan
     (or before the ``with`` block), inside a module whose input already carries a graph, or on
     rows that ``learn_rows`` learns in a module that runs before a depth's cut."""
+
+
+class PrefixCacheWarning(GradgateWarning):
+    """A prefix cache cannot be exact here (a stochastic prefix), or cannot serve a cut."""
 
 
 for _cls in list(globals().values()):
