@@ -258,8 +258,10 @@ class PrefixCache(Handle):
         elif self.check and (not state.checked or self._rng.random() < self.check):
             mode = Mode.CHECK
             state.checked = True
-        else:
-            mode = Mode.HIT if hits == batch else Mode.SOME
+        elif hits == batch:
+            mode = Mode.HIT
+        else:  # the misses alone, where that computes them as the whole batch would
+            mode = Mode.SOME if state.sub_batches else Mode.CHECK
         run = Run(self, state, keys, entries, padding, inputs, mode, fresh)
         run.snapshot = snapshot
         return run

@@ -56,6 +56,8 @@ class CutState:
     uncacheable: str | None = None  # why this cut is never served
     checked: bool = False  # a batch with hits was checked here
     probed: bool = False  # a miss looked at what the prefix's outputs reach
+    sub_batches: bool | None = None  # the blocks before the cut compute a sample alike in any
+    # batch (measured at the first batch of hits and misses): such batches run the misses only
 
 
 def prefix_modules(

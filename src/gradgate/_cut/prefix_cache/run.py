@@ -59,6 +59,9 @@ class Run:
         self.allowed: set[int] = set()
         self.leak: str | None = None
         self.flops = 0.0 if state.flops is None and mode is not Mode.HIT else None
+        # a first batch with hits and misses, run whole: do the blocks compute the misses alike
+        # on their own? (see _probe_parts)
+        self.probing_parts = mode is Mode.CHECK and bool(self.misses) and state.sub_batches is None
 
     # -- block calls -------------------------------------------------------------------------
     def block(self, position: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -86,7 +89,10 @@ class Run:
             output = self._measured(position, call, *part)
             output = widen_batch(output, self.index, len(self.misses), self.batch)
         else:
+            part = self._part(call, args, kwargs) if self.probing_parts else None
             output = self._measured(position, call, args, kwargs)
+            if part is not None:
+                self._compare_part(part, output)
         if last:
             output = self._last_output(output)
         elif self.outputs is not None:
@@ -106,6 +112,25 @@ class Run:
         if position not in self.state.templates:
             self.state.templates[position] = Template(args, kwargs, output)
         return output
+
+    def _part(self, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The block on the misses alone (before it runs on the whole batch: the gate's state
+        after the block is then the whole batch's)."""
+        part_args, part_kwargs = narrow_batch((args, kwargs), self.index, self.batch)
+        with torch.no_grad():
+            return call(*part_args, **part_kwargs)
+
+    def _compare_part(self, part: Any, output: Any) -> None:
+        """Whether the block computed the misses alone as it did in the whole batch, bit for
+        bit (kernels whose blocking depends on the batch's size do not): if every block does,
+        later batches with some hits run the blocks before the cut on their misses only."""
+        whole = tensors_in(narrow_batch(output, self.index, self.batch))
+        alone = tensors_in(part)
+        same = len(whole) == len(alone) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(whole, alone, strict=True)
+        )
+        if not same:
+            self.state.sub_batches = False
 
     def _learner_before_cut(self, position: int) -> None:
         name = self.cache.gate._points[position][0]
@@ -297,5 +322,25 @@ class Run:
         if self.flops is not None and self.reached and self.ran:
             rows = len(self.misses) if self.mode is Mode.SOME else self.batch
             state.flops = self.flops / max(rows, 1)
+        if self.probing_parts and self.reached and state.sub_batches is None:
+            state.sub_batches = True
         self.outputs = None
         self.cache._count(self)
+
+
+def rounding_apart(cached: torch.Tensor, now: torch.Tensor) -> bool:
+    """Whether two computations of one value differ only as far as the order of floating-point
+    sums can make them: a sample computed in another batch, by kernels whose blocking depends on
+    the batch (CPU matrix products of 2-D inputs), not a stale entry (dropout, augmentation and
+    changed weights move values far more).
+
+    >>> a = torch.tensor([1.0, -2.0, 3.0])
+    >>> rounding_apart(a, a + 1e-6), rounding_apart(a, a * 1.01)
+    (True, False)
+    """
+    if cached.shape != now.shape or not cached.is_floating_point():
+        return False
+    scale = float(now.float().abs().max()) if now.numel() else 0.0
+    tolerance = 1e-4 if now.dtype in (torch.float32, torch.float64) else 2e-2
+    difference = (cached.float() - now.float()).abs()
+    return bool(torch.isfinite(difference).all()) and float(difference.max()) <= tolerance * scale
