@@ -212,11 +212,11 @@ def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
 
 
 def test_only_a_live_gate() -> None:
-    with pytest.raises(gg.InvalidOptionError, match="expected a live gg.BackpropGate"):
+    with pytest.raises(gg.InvalidOptionError, match=r"expected a live gg\.BackpropGate"):
         gg.PrefixCache(_stack())  # type: ignore[arg-type]
     gate = gg.BackpropGate(_stack(), depth=1)
     gate.remove()
-    with pytest.raises(gg.InvalidOptionError, match="expected a live gg.BackpropGate"):
+    with pytest.raises(gg.InvalidOptionError, match=r"expected a live gg\.BackpropGate"):
         gg.PrefixCache(gate)
 
 
