@@ -258,7 +258,7 @@ def test_forwards_without_keys_are_not_cached() -> None:
 
 
 def test_a_model_returning_prefix_outputs_is_not_served() -> None:
-    model, _, loss = gpt2()
+    model, _, _ = gpt2()
     gate = gg.BackpropGate(model, depth=1)
     cache = gg.PrefixCache(gate, check=0.0)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
