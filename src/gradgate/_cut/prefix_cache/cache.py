@@ -247,9 +247,7 @@ class PrefixCache(Handle):
                     continue
                 if entry.inputs != inputs[i]:
                     self._changed_input(key)
-                if entry.start is not None and (
-                    padding is None or padding.starts[i] != entry.start
-                ):
+                if not entry.fits(padding, i):
                     continue  # its tokens sit elsewhere now (left padding): run it again
                 entries[i] = entry
         hits = sum(entry is not None for entry in entries)

@@ -56,12 +56,12 @@ class Padding:
 def sample_rows(
     tensor: torch.Tensor, rows: list[int], padding: Padding | None, device: torch.device
 ) -> list[torch.Tensor]:
-    """Each of ``rows`` of ``tensor`` as a tensor of its own on ``device`` (only its tokens
-    when ``padding`` fits the tensor), detached."""
+    """Each of ``rows`` of ``tensor`` as a tensor of its own on ``device``, detached; a row
+    padded on the right (its tokens first) keeps only its tokens."""
     tensor = tensor.detach()
     if padding is not None and padding.fits(tensor):
         return [
-            tensor[i, padding.starts[i] : padding.starts[i] + padding.lengths[i]].to(
+            tensor[i, : padding.lengths[i] if padding.starts[i] == 0 else padding.steps].to(
                 device, copy=True
             )
             for i in rows
@@ -81,7 +81,8 @@ def assemble(
     keep: bool,
 ) -> torch.Tensor:
     """A batch tensor like ``live`` whose ``rows`` are ``entries``, its other rows ``live``'s
-    when ``keep`` (padding around an entry's tokens comes back as zeros)."""
+    when ``keep``. An entry of a right-padded row holds its tokens only: the padding after them
+    comes back as zeros (see docs/prefix-cache.md for when that is exact)."""
     first = entries[0]
     batch = live.shape[0]
     if padding is not None and padding.fits(live):
@@ -91,8 +92,7 @@ def assemble(
             others = [i for i in range(batch) if i not in set(rows)]
             out[others] = live[others].to(first.dtype)
         for i, entry in zip(rows, entries, strict=True):
-            start = padding.starts[i]
-            out[i, start : start + entry.shape[0]] = entry.to(live.device, non_blocking=True)
+            out[i, : entry.shape[0]] = entry.to(live.device, non_blocking=True)
         return out
     stacked = torch.stack(entries).to(live.device, non_blocking=True)
     if not keep:

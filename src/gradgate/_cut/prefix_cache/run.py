@@ -273,15 +273,16 @@ class Run:
             return
         device = self.cache._store_device
         per_leaf = [sample_rows(t, rows, self.padding, device) for t in live]
-        trimmed = self.padding is not None and any(self.padding.fits(t) for t in live)
-        entries = {
-            self.keys[i]: Entry(
-                tuple(leaf[k] for leaf in per_leaf),
-                self.padding.starts[i] if trimmed and self.padding is not None else None,
-                self.inputs[i],
-            )
-            for k, i in enumerate(rows)
-        }
+        padding = self.padding
+        entries = {}
+        for k, i in enumerate(rows):
+            tensors = tuple(leaf[k] for leaf in per_leaf)
+            if padding is None:
+                entries[self.keys[i]] = Entry(tensors, self.inputs[i])
+            else:
+                start = padding.starts[i]
+                steps = None if start == 0 else padding.steps  # left padding: kept whole
+                entries[self.keys[i]] = Entry(tensors, self.inputs[i], start, steps)
         self.cache._put(self, entries)
 
     # -- after the forward ---------------------------------------------------------------------

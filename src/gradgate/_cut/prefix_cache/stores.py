@@ -20,6 +20,7 @@ import torch
 
 from ..._plumbing.errors import MissingExtraError, PrefixCacheError
 from .keys import Key
+from .rows import Padding
 
 CHUNK_BYTES = 64 * 2**20  # a disk chunk: one .npy file, filled entry after entry
 FORMAT = "gradgate-prefix-cache"
@@ -28,16 +29,26 @@ VERSION = 1
 
 @dataclass
 class Entry:
-    """One sample's cached tensors; ``start``: where its tokens began in the padded batch it was
-    stored from (``None``: stored whole); ``inputs``: its inputs' fingerprint."""
+    """One sample's cached tensors and its inputs' fingerprint; from a padded batch, where its
+    tokens began (``start``) and, for a row kept whole (left padding: the tokens' places depend
+    on the padding), the padded length (``steps``). A right-padded row keeps only its tokens."""
 
     tensors: tuple[torch.Tensor, ...]
-    start: int | None
     inputs: int
+    start: int | None = None
+    steps: int | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def fits(self, padding: Padding | None, row: int) -> bool:
+        """Whether the entry serves sample ``row`` of a batch padded as ``padding``."""
+        if self.start is None:
+            return padding is None
+        if padding is None or padding.starts[row] != self.start:
+            return False
+        return self.steps is None or padding.steps == self.steps
 
 
 class MemoryStore:
@@ -186,7 +197,7 @@ class DiskStore(MemoryStore):
             raw = torch.from_numpy(data[offset : offset + nbytes])
             tensors.append(raw.view(getattr(torch, dtype)).view(shape))
             offset += nbytes
-        return Entry(tuple(tensors), record["start"], record["inputs"])
+        return Entry(tuple(tensors), record["inputs"], record["start"], record.get("steps"))
 
     def count(self) -> int:
         return sum(len(where) for where in self._where.values())
@@ -212,7 +223,8 @@ class DiskStore(MemoryStore):
             at += raw.numel()
         data.flush()  # the bytes before the line that points to them
         record: dict[str, Any] = {"key": key, "chunk": chunk, "offset": offset}
-        record |= {"tensors": described, "start": entry.start, "inputs": entry.inputs}
+        record |= {"tensors": described, "inputs": entry.inputs}
+        record |= {"start": entry.start, "steps": entry.steps}
         index = self._index.get(cut)
         if index is None:  # kept open: a line per entry stored
             index = open(self._cut_dir(cut) / "index.jsonl", "a", encoding="utf-8")  # noqa: SIM115
