@@ -177,6 +177,24 @@ class Driver:
         self.step = self.plan = None
 
 
+def cache_gate(cache: Any, gate: BackpropGate | None) -> BackpropGate | None:
+    """The gate a callback drives with ``cache=``: the cache's (``gate`` must be it, or None)."""
+    if cache is None:
+        return gate
+    from .._cut.prefix_cache import PrefixCache
+
+    if not isinstance(cache, PrefixCache):
+        raise InvalidOptionError(
+            f"cache={cache!r:.80}; expected a gg.PrefixCache (on the gate to drive) or None."
+        )
+    if gate is not None and gate is not cache.gate:
+        raise InvalidOptionError(
+            f"gate={gate!r} is not the cache's gate ({cache.gate!r}); pass cache= alone: the "
+            "callback drives the cache's gate."
+        )
+    return cache.gate
+
+
 def _require_same_model(gated: nn.Module, trained: nn.Module) -> None:
     """A gate on a model the trainer does not run would log plans that never happen."""
     if any(m is gated for m in trained.modules()) or any(m is trained for m in gated.modules()):

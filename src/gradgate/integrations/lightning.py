@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import Driver, require
+from . import Driver, cache_gate, require
 
 require("lightning", "lightning")
 
@@ -21,6 +21,8 @@ from lightning.pytorch import Callback  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .._cut.gate import BackpropGate  # noqa: E402
+from .._cut.prefix_cache import PrefixCache  # noqa: E402
+from .._cut.prefix_cache.keys import KEY_COLUMN  # noqa: E402
 from .._plumbing.errors import InvalidOptionError  # noqa: E402
 from .._select.names import Pattern, find_module  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402
@@ -48,6 +50,11 @@ class GateCallback(Callback):  # type: ignore[misc]
     activation checkpointing inside the blocks, pass ``freeze_for_step=True``: the blocks that
     do not learn in a step stay frozen for the whole step, so the backward's recomputation sees
     the flags their forward saw.
+
+    ``cache=gg.PrefixCache(gate)`` drives that cache's gate; train on
+    ``gg.PrefixCache.keyed(dataset)`` (dict items): the callback takes each batch's
+    ``gradgate_key`` out before ``training_step`` and the model's forwards in that step see
+    those keys.
     """
 
     def __init__(
@@ -60,7 +67,16 @@ class GateCallback(Callback):  # type: ignore[misc]
         log: bool = True,
         drop_state: bool = True,
         freeze_for_step: bool = False,
+        cache: PrefixCache | None = None,
     ) -> None:
+        if model is not None and cache is not None:
+            raise InvalidOptionError(
+                f"model={model!r} with cache=...; expected one of them: the callback drives the "
+                "cache's gate."
+            )
+        gate = cache_gate(cache, gate)
+        self._cache = cache
+        self._keys: Any = None  # the keys' context, open for a batch's step
         if model is not None and (gate is not None or not isinstance(model, str)):
             raise InvalidOptionError(
                 f"model={model!r} with gate={gate!r}; expected the name of the LightningModule's "
@@ -93,6 +109,9 @@ class GateCallback(Callback):  # type: ignore[misc]
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         self._driver.begin_step(trainer.global_step)
+        if self._cache is not None and isinstance(batch, dict) and KEY_COLUMN in batch:
+            self._keys = self._cache.keys(batch.pop(KEY_COLUMN))  # the step's forwards see them
+            self._keys.__enter__()
         if self._driver.log:
             metrics = self._driver.metrics()
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -103,13 +122,23 @@ class GateCallback(Callback):  # type: ignore[misc]
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._release_keys()
+        if self._cache is not None and batch_idx == 0:
+            self._cache._warn_if_unkeyed()
         self._driver.end_step(trainer.optimizers, trainer.global_step)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._release_keys()
         self._driver.detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._release_keys()
         self._driver.detach()
+
+    def _release_keys(self) -> None:
+        keys, self._keys = self._keys, None
+        if keys is not None:
+            keys.__exit__(None, None, None)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

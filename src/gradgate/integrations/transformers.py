@@ -19,13 +19,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import Driver, require
+from . import Driver, cache_gate, require
 
 require("transformers", "transformers")
 
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from .._cut.gate import BackpropGate  # noqa: E402
+from .._cut.prefix_cache import PrefixCache  # noqa: E402
 from .._plumbing.errors import GradgateWarning, InvalidOptionError, warn  # noqa: E402
 from .._select.names import Pattern  # noqa: E402
 from ..schedules import Plan, Schedule  # noqa: E402
@@ -72,6 +73,11 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     When the Trainer runs DeepSpeed (``TrainingArguments(deepspeed=...)``), the callback makes
     its ZeRO optimizer step only the parameters that learned
     (:func:`gradgate.integrations.deepspeed.step_learners_only`), until training ends.
+
+    ``cache=gg.PrefixCache(gate)`` drives that cache's gate; train on
+    ``gg.PrefixCache.keyed(dataset)``, whose items carry their index as ``gradgate_key``: the
+    Trainer passes it to the model call (the cached model's forward names it, so
+    ``remove_unused_columns`` keeps it), where the cache takes it out.
     """
 
     def __init__(
@@ -83,7 +89,10 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         log: bool = True,
         drop_state: bool = True,
         freeze_for_step: bool | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
+        gate = cache_gate(cache, gate)
+        self._cache = cache
         self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
         if freeze_for_step is not None and not isinstance(freeze_for_step, bool):
             raise InvalidOptionError(
@@ -179,6 +188,8 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         self._driver.observe()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._cache is not None and state.global_step == 1:
+            self._cache._warn_if_unkeyed()
         optimizer = kwargs.get("optimizer")
         self._driver.end_step([] if optimizer is None else [optimizer], state.global_step)
 

@@ -128,6 +128,7 @@ class PrefixCache(Handle):
         self._rng = random.Random(0)  # which batches are checked; never torch's generator
         self._counts = {"hits": 0, "misses": 0, "checked": 0, "not_stored": 0}
         self._skipped = 0.0
+        self._keyed = 0  # forwards that had keys (a trainer callback looks after a step)
         self._warned: set[str] = set()
         self._training: bool | None = None
         self._store_device = torch.device("cpu")
@@ -201,6 +202,7 @@ class PrefixCache(Handle):
         given = normalize_keys(keys) if keys is not None else None
         stack = self._keys_stack()
         active = given if given is not None else (stack[-1] if stack else None)
+        self._keyed += active is not None
         run = None if active is None or not self.active else self._begin(args, kwargs, active)
         if run is None:
             return inner(*args, **kwargs)
@@ -366,6 +368,17 @@ class PrefixCache(Handle):
                     store.rewrite(run.state.position, {**manifest, "flops": run.state.flops})
 
     # -- what goes wrong ---------------------------------------------------------------------
+    def _warn_if_unkeyed(self) -> None:
+        """After a trainer's first step: say so if no forward had keys (the cache did nothing)."""
+        if not self._keyed:
+            self._warn_once(
+                "unkeyed",
+                "no forward of the cached model got keys in this training step, so the prefix "
+                "cache stored nothing and will serve nothing. Train on "
+                "gg.PrefixCache.keyed(dataset) (items carry a gradgate_key; call the model with "
+                "model(**batch), or take the keys out yourself with cache.keys(...)).",
+            )
+
     def _unusable(self, state: CutState, reason: str) -> None:
         state.uncacheable = reason
         self._forget(state)
