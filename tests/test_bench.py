@@ -463,3 +463,15 @@ def test_json_may_carry_the_optional_sections(tmp_path: Path) -> None:
     assert report.read_json(tmp_path / "bench.json") == document
     with pytest.raises(ValueError, match="top-level keys"):
         report.validate({**document, "other": 1})
+
+
+def test_the_prefix_cache_section_measures_its_ratios() -> None:
+    from gradgate._bench import prefix_cache
+
+    rows = prefix_cache.measure(size="tiny", models=("conv_stack",), batches=2, repeats=1)
+    assert [row["model"] for row in rows] == ["conv_stack"]
+    row = rows[0]
+    assert row["bytes_per_sample"] == 4 * 8 * 8 * 4  # channels x side x side x float32
+    assert all(row[key] > 0 for key in ("gate_step_seconds", "memory", "disk", "first_epoch"))
+    text = prefix_cache.table(rows)
+    assert "| conv_stack |" in text and "depth 1 of 12" in text

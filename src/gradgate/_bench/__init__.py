@@ -144,6 +144,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="add the distributed section: bytes all-reduced per step by plain DDP and by "
         "gg.distributed.allreduce_trained at several depths (2 gloo processes on the CPU)",
     )
+    parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="add the prefix-cache section: a step with gg.PrefixCache at depth 1 of 12 as a "
+        "ratio to the gate alone, from the second epoch (memory, disk) and in the first",
+    )
 
 
 def _in_range(low: int, high: int) -> Callable[[str], int]:
@@ -183,6 +189,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--no-overheads"] if args.no_overheads else []
     parts += ["--schedules"] if args.schedules else []
     parts += ["--distributed"] if args.distributed else []
+    parts += ["--prefix-cache"] if args.prefix_cache else []
     return " ".join(parts)
 
 
@@ -205,6 +212,8 @@ def run_command(args: argparse.Namespace) -> int:
             from .sections import distributed
 
             document["distributed"] = distributed.measure()
+        if args.prefix_cache:
+            document["prefix_cache"] = _prefix_cache(args)
         report.write_json(document, args.json)
     print(render(document, fmt="markdown" if args.markdown else "text"))
     for section in (s for s in report.SECTIONS if s in document):
@@ -250,6 +259,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         command=command_line(args),
     )
     return run(options)
+
+
+def _prefix_cache(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from . import prefix_cache
+    from .device import resolve
+    from .workloads import Size
+
+    size: Size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    models = tuple(args.models or MODELS)
+    return prefix_cache.measure(size=size, models=models, device=resolve(args.device))
 
 
 def _require(package: str, needed_by: str) -> None:

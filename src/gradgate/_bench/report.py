@@ -24,7 +24,7 @@ RESULT_KEYS = (
     "peak_bytes",
 )
 COMPILE_KEYS = ("method", "graphs", "recompiles")
-SECTIONS = ("schedules", "distributed")  # optional, printed in this order
+SECTIONS = ("schedules", "distributed", "prefix_cache")  # optional, printed in this order
 
 
 def read_json(path: Path) -> dict[str, Any]:

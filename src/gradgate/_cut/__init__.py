@@ -7,7 +7,8 @@ block call (frozen for the call, skipped, checked); ``frames`` keeps, per thread
 forward changed; ``stacks`` follows the block stacks as they run; ``plans`` holds a plan's tables
 and its rank key; ``held`` the parameters frozen until backward is done; ``stale_grads`` keeps
 optimizers off parameters that did not learn; ``fsdp`` and ``ranks`` serve FSDP2, DDP and the
-rank check; ``compile`` is ``compile_blocks``.
+rank check; ``compile`` is ``compile_blocks``; ``prefix_cache/`` is ``PrefixCache``, which skips
+the blocks before the cut for samples it has seen.
 
 May import: ``_plumbing``, ``_select``.
 """

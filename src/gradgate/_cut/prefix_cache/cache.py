@@ -20,6 +20,7 @@ from ..._plumbing.validate import check_choice, probability_option
 from ..gate import BackpropGate
 from .fingerprint import Hasher, input_fingerprints, tensors_of, weights_state
 from .keys import Key, KeyedDataset, check_count, normalize_keys
+from .messages import UNKEYED, changed_input_message, mismatch_message
 from .prefix import (
     CutState,
     cut_of,
@@ -129,6 +130,7 @@ class PrefixCache(Handle):
         self._counts = {"hits": 0, "misses": 0, "checked": 0, "not_stored": 0}
         self._skipped = 0.0
         self._keyed = 0  # forwards that had keys (a trainer callback looks after a step)
+        self._block_flops: dict[tuple[Any, ...], int] = {}  # per kind of block call
         self._warned: set[str] = set()
         self._training: bool | None = None
         self._store_device = torch.device("cpu")
@@ -371,13 +373,7 @@ class PrefixCache(Handle):
     def _warn_if_unkeyed(self) -> None:
         """After a trainer's first step: say so if no forward had keys (the cache did nothing)."""
         if not self._keyed:
-            self._warn_once(
-                "unkeyed",
-                "no forward of the cached model got keys in this training step, so the prefix "
-                "cache stored nothing and will serve nothing. Train on "
-                "gg.PrefixCache.keyed(dataset) (items carry a gradgate_key; call the model with "
-                "model(**batch), or take the keys out yourself with cache.keys(...)).",
-            )
+            self._warn_once("unkeyed", UNKEYED)
 
     def _unusable(self, state: CutState, reason: str) -> None:
         state.uncacheable = reason
@@ -405,42 +401,13 @@ class PrefixCache(Handle):
         return blocks[position] if position < len(blocks) else "the end of the blocks"
 
     def _changed_input(self, key: Key) -> None:
-        raise PrefixCacheError(
-            f"the input of key {key!r} differs from the input its entry was stored with "
-            "(changed inputs for a key): random augmentation (a new crop or flip each epoch), "
-            "masking drawn per epoch, or a key that names another sample now. The cache serves "
-            "only inputs that repeat: augment after the cut, or not in cached epochs; give "
-            "each distinct input its own key; or cache.clear() if the data changed for good."
-        )
+        raise PrefixCacheError(changed_input_message(key))
 
     def _mismatch(self, state: CutState, key: Key, cached: torch.Tensor, now: torch.Tensor) -> None:
         names = {id(m): n for n, m in self.gate._model.named_modules()}
         found = random_parts(state.modules or [], names, self.gate.prefix_mode)
-        causes = []
-        if found:
-            causes.append(
-                f"dropout or BatchNorm in train mode before the cut ({', '.join(found[:3])})"
-            )
-        causes += [
-            "augmentation or other randomness inside the model's forward before the cut",
-            "changed inputs for a key that the inputs' fingerprint cannot see (a buffer or "
-            "state outside the inputs)",
-            "weights before the cut changed where torch does not count it (param.data = ..., "
-            "an optimizer writing through .data)",
-            "kernels whose result depends on the batch (nondeterministic algorithms)",
-        ]
-        listed = "; ".join(f"{i + 1}) {cause}" for i, cause in enumerate(causes))
-        difference = (
-            f"largest difference {float((cached.float() - now.float()).abs().max()):.3g}"
-            if cached.shape == now.shape
-            else f"shape {tuple(cached.shape)} cached, {tuple(now.shape)} now"
-        )
-        raise PrefixCacheError(
-            f"check: the cached input of the first learner {self._cut_name(state.position)!r} "
-            f"for key {key!r} differs from what the prefix computes now ({difference}), so "
-            f"hits would not be what the model computes. Likely causes: {listed}. Fix the "
-            "cause (eval mode before the cut, no augmentation), then cache.clear()."
-        )
+        where = self._cut_name(state.position)
+        raise PrefixCacheError(mismatch_message(where, key, cached, now, found))
 
     def _take_off(self) -> None:
         for wrapper in reversed(self._wrappers):

@@ -101,14 +101,28 @@ class Run:
         return output
 
     def _measured(self, position: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The block's call; at a cut's first miss, also its forward FLOPs, counted once per
+        kind of call (block class, input and parameter shapes: a transformer's layers are
+        counted once)."""
         if self.flops is None:
             output = call(*args, **kwargs)
         else:
-            from torch.utils.flop_counter import FlopCounterMode
+            block = self.cache.gate._points[position][1]
+            kind = (
+                type(block),
+                *((t.shape, t.dtype) for t in tensors_in((args, kwargs))),
+                *(p.shape for p in block.parameters()),
+            )
+            known = self.cache._block_flops.get(kind)
+            if known is None:
+                from torch.utils.flop_counter import FlopCounterMode
 
-            with FlopCounterMode(display=False) as counter:
+                with FlopCounterMode(display=False) as counter:
+                    output = call(*args, **kwargs)
+                known = self.cache._block_flops[kind] = counter.get_total_flops()
+            else:
                 output = call(*args, **kwargs)
-            self.flops += counter.get_total_flops()
+            self.flops += known
         if position not in self.state.templates:
             self.state.templates[position] = Template(args, kwargs, output)
         return output
