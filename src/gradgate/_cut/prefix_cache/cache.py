@@ -29,6 +29,7 @@ from .prefix import (
     prefix_modules,
     random_message,
     random_parts,
+    watch_registrations,
 )
 from .rows import Padding, batch_size
 from .run import Mode, Run
@@ -131,6 +132,9 @@ class PrefixCache(Handle):
         self._skipped = 0.0
         self._keyed = 0  # forwards that had keys (a trainer callback looks after a step)
         self._block_flops: dict[tuple[Any, ...], int] = {}  # per kind of block call
+        self._registered = 0  # assignments to a prefix module (its tensors are walked again)
+        self._watched: set[int] = set()  # the ids of every known prefix's modules
+        self._watches = watch_registrations(self._watched, self._assigned)
         self._warned: set[str] = set()
         self._training: bool | None = None
         self._store_device = torch.device("cpu")
@@ -234,7 +238,7 @@ class PrefixCache(Handle):
             self._warn_random(state.modules, cut)
         fresh = snapshot = None
         if state.modules is not None:
-            fresh = weights_state(tensors_of(state.modules))
+            fresh = weights_state(self._tensors(state))
             if state.fingerprint is not None and fresh != state.fingerprint:
                 self._forget(state)  # the prefix's weights changed: recompute
         else:
@@ -293,12 +297,13 @@ class PrefixCache(Handle):
                 f"{str(store.root / f'cut-{state.position}')!r} to compute them again."
             )
         state.modules, state.names = modules, manifest["prefix"]
+        self._watched.update(id(m) for m in modules)  # type: ignore[union-attr]
         state.leaves, state.spec, state.flops = (
             manifest["leaves"],
             manifest["spec"],
             manifest["flops"],
         )
-        state.fingerprint = weights_state(tensors_of(modules))  # type: ignore[arg-type]
+        state.fingerprint = weights_state(self._tensors(state))
         store.load(state.position)
 
     def _put(self, run: Run, entries: dict[Key, Entry]) -> None:
@@ -309,13 +314,11 @@ class PrefixCache(Handle):
             outside = {index for index, _ in frame.outside_calls} if frame else set()
             positions = set(range(min(state.position, len(self.gate._points))))
             state.modules, state.names = prefix_modules(self.gate, positions, outside)
+            self._watched.update(id(m) for m in state.modules)
             assert run.snapshot is not None
-            tensors = tensors_of(state.modules)
-            run.fresh = tuple(
-                value
-                for t in tensors
-                for value in run.snapshot.get(id(t), (id(t), t._version, t.data_ptr()))
-            )
+            tensors = self._tensors(state)
+            then = [run.snapshot.get(id(t), (id(t), t._version, t.data_ptr())) for t in tensors]
+            run.fresh = tuple(value for part in zip(*then, strict=True) for value in part)
             self._warn_random(state.modules, state.position)
         if state.fingerprint is None:
             state.fingerprint = run.fresh
@@ -331,7 +334,7 @@ class PrefixCache(Handle):
             return True
         for state in list(self._states.values()):  # cuts whose prefix has changed since
             known = state.position != cut and state.modules is not None and state.fingerprint
-            if known and weights_state(tensors_of(state.modules)) != state.fingerprint:  # type: ignore[arg-type]
+            if known and weights_state(self._tensors(state)) != state.fingerprint:
                 self._forget(state)
         return self._store.room_for(cut, key, nbytes)
 
@@ -348,6 +351,20 @@ class PrefixCache(Handle):
             "spec": state.spec,
             "flops": state.flops,
         }
+
+    def _tensors(self, state: CutState) -> list[torch.Tensor]:
+        """The parameters and buffers of a cut's prefix, walked again after an assignment to
+        one of its modules (a parameter replaced, a submodule swapped)."""
+        if state.tensors is None or state.walked != self._registered:
+            assert state.names is not None and state.modules is not None
+            if state.walked != -1:  # a module may have been swapped: find them again by name
+                state.modules = modules_named(self.gate._model, state.names) or state.modules
+                self._watched.update(id(m) for m in state.modules)
+            state.tensors, state.walked = tensors_of(state.modules), self._registered
+        return state.tensors
+
+    def _assigned(self) -> None:
+        self._registered += 1
 
     def _forget(self, state: CutState) -> None:
         """Drop a cut's entries: they no longer hold (new weights, another call)."""
@@ -410,6 +427,8 @@ class PrefixCache(Handle):
         raise PrefixCacheError(mismatch_message(where, key, cached, now, found))
 
     def _take_off(self) -> None:
+        for handle in self._watches:
+            handle.remove()
         for wrapper in reversed(self._wrappers):
             wrapper.uninstall()
         self._wrappers = []

@@ -4,6 +4,8 @@ a prefix that make its output random or batch-dependent (dropout, BatchNorm in t
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,8 @@ class CutState:
 
     position: int
     modules: list[nn.Module] | None = None  # every module whose tensors the prefix reads
+    tensors: list[torch.Tensor] | None = None  # theirs, walked again after a registration
+    walked: int = -1  # the cache's registration count when they were walked
     names: list[str] | None = None  # the prefix modules by name (whole) and roots (own tensors)
     fingerprint: tuple[int, ...] | None = None  # weights_state when the entries were stored
     leaves: list[int] | None = None  # which tensors of the cut point's values are cached
@@ -104,6 +108,29 @@ def named_tensors(model: nn.Module, listed: list[str]) -> list[tuple[str, torch.
             for sub, tensor in kind(prefix=base, recurse=recurse):
                 found.setdefault(sub, tensor)
     return sorted(found.items())
+
+
+def watch_registrations(ids: set[int], callback: Callable[[], object]) -> list[Any]:
+    """Have ``callback()`` run when a parameter, buffer or module is assigned to a module whose
+    id is in ``ids`` (kept up to date by the caller); returns the global hooks' handles. The
+    callback (a bound method) is held weakly."""
+    from torch.nn.modules import module as torch_module
+
+    method = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+
+    def registered(module: nn.Module, name: str, value: object) -> None:
+        if id(module) in ids:
+            alive = method()
+            if alive is not None:
+                alive()
+        # None: torch assigns the value as given
+
+    handles = []
+    for kind in ("parameter", "buffer", "module"):
+        register = getattr(torch_module, f"register_module_{kind}_registration_hook", None)
+        if register is not None:
+            handles.append(register(registered))
+    return handles
 
 
 def random_parts(modules: list[nn.Module], names: dict[int, str], mode: str) -> list[str]:

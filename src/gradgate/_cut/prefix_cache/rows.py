@@ -9,15 +9,25 @@ from typing import Any
 
 import torch
 
+from ..._plumbing.autograd import tensors_in
 from ..._plumbing.torch_internals import tree_flatten, tree_unflatten
 
 
 def batch_size(args: Any, kwargs: dict[str, Any]) -> int | None:
     """The first dimension of the first tensor input (``None``: no tensor with a dimension)."""
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
+    tensor = first_tensor(args, kwargs, dimensions=True)
+    return None if tensor is None else int(tensor.shape[0])
+
+
+def first_tensor(args: Any, kwargs: Any, *, dimensions: bool = False) -> torch.Tensor | None:
+    """The first tensor among ``args`` then ``kwargs`` (with ``dimensions``: that has one);
+    looks inside containers only when no argument is a tensor itself."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and (value.dim() or not dimensions):
+            return value
+    for value in tensors_in((args, kwargs)):
+        if value.dim() or not dimensions:
+            return value
     return None
 
 
@@ -139,7 +149,7 @@ class Template:
     zeros that take no memory."""
 
     def __init__(self, args: Any, kwargs: Any, output: Any) -> None:
-        x = _first_tensor((args, kwargs))
+        x = first_tensor(args, kwargs)
         leaves, self.spec = tree_flatten(output)
         self.usable = x is not None and all(
             isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves
@@ -153,7 +163,7 @@ class Template:
         ]
 
     def fake(self, args: Any, kwargs: Any) -> Any:
-        x = _first_tensor((args, kwargs))
+        x = first_tensor(args, kwargs)
         assert x is not None
         out = []
         for leaf in self.leaves:
@@ -173,8 +183,3 @@ def _relation(shape: tuple[int, ...], out: torch.Size) -> list[tuple[int | None,
     return [
         (d if d < len(shape) and shape[d] == size else None, size) for d, size in enumerate(out)
     ]
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    leaves, _ = tree_flatten(value)
-    return next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor)), None)

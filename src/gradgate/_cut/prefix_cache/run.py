@@ -50,7 +50,7 @@ class Run:
         self.fresh = fresh  # the weights' state that new entries are stored under
         self.hits = [i for i, e in enumerate(entries) if e is not None]
         self.misses = [i for i, e in enumerate(entries) if e is None]
-        self.index = torch.tensor(self.misses, dtype=torch.long)  # rows run under SOME
+        self._index: torch.Tensor | None = None
         self.reached = False
         self.ran: set[int] = set()  # prefix blocks that ran (or stood in)
         self.snapshot: dict[int, tuple[int, int, int]] | None = None  # weights at the start
@@ -62,6 +62,13 @@ class Run:
         # a first batch with hits and misses, run whole: do the blocks compute the misses alike
         # on their own? (see _probe_parts)
         self.probing_parts = mode is Mode.CHECK and bool(self.misses) and state.sub_batches is None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """The misses' rows, as a tensor (to narrow a batch to them)."""
+        if self._index is None:
+            self._index = torch.tensor(self.misses, dtype=torch.long)
+        return self._index
 
     # -- block calls -------------------------------------------------------------------------
     def block(self, position: int, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -168,9 +175,10 @@ class Run:
     # -- the cut point -------------------------------------------------------------------------
     def _first_learner(self, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """The first learner's call: its cached arguments come from the cache (hits) and are
-        stored (misses)."""
-        leaves, spec = tree_flatten((args, kwargs))
-        shape = str(spec)
+        stored (misses). Its arguments are looked at one level deep: the hidden state, not
+        inside a tuple of rotary embeddings."""
+        leaves = [*args, *kwargs.values()]
+        shape = call_shape(args, kwargs)
         if self.mode in (Mode.HIT, Mode.SOME):
             if shape != self.state.spec or self.state.leaves is None:
                 raise PrefixCacheError(
@@ -191,8 +199,8 @@ class Run:
                 self._compare(live)
                 self._store(live)
         self.reached = True
-        args, kwargs = tree_unflatten(leaves, spec)
-        return call(*args, **kwargs)
+        count = len(args)
+        return call(*leaves[:count], **dict(zip(kwargs, leaves[count:], strict=True)))
 
     def _last_output(self, output: Any) -> Any:
         """The last block's output when the cut is after it: every tensor in it is cached."""
@@ -359,3 +367,17 @@ def rounding_apart(cached: torch.Tensor, now: torch.Tensor) -> bool:
     tolerance = 1e-4 if now.dtype in (torch.float32, torch.float64) else 2e-2
     difference = (cached.float() - now.float()).abs()
     return bool(torch.isfinite(difference).all()) and float(difference.max()) <= tolerance * scale
+
+
+def call_shape(args: Any, kwargs: Any) -> str:
+    """A call's structure: how many positional arguments, the keywords, and which arguments are
+    tensors (``T``), ``None`` (``N``) or other values (``O``).
+
+    >>> call_shape((torch.ones(1), None), {"mask": torch.ones(1), "cache": (1, 2)})
+    '2|mask,cache|TNTO'
+    """
+    kinds = "".join(
+        "T" if isinstance(v, torch.Tensor) else "N" if v is None else "O"
+        for v in (*args, *kwargs.values())
+    )
+    return f"{len(args)}|{','.join(kwargs)}|{kinds}"
