@@ -268,3 +268,19 @@ def test_a_model_returning_prefix_outputs_is_not_served() -> None:
         out = model(input_ids=ids, output_hidden_states=True)
     assert cache.stats.hits == 0 and cache.stats.entries == 0
     assert all(torch.isfinite(h).all() for h in out.hidden_states)
+
+
+def test_the_gate_removed_first_leaves_the_cache_harmless() -> None:
+    model = _stack()
+    gate = gg.BackpropGate(model, depth=1)
+    cache = gg.PrefixCache(gate)
+    with cache.keys([0, 1]):
+        model(X[:2]).sum().backward()
+    gate.remove()
+    model.zero_grad(set_to_none=True)
+    with cache.keys([0, 1]):  # no gate, no cut: every block runs and learns, nothing served
+        model(X[:2]).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)
+    cache.remove()
+    assert "forward" not in model.__dict__ and all("forward" not in b.__dict__ for b in model[1])

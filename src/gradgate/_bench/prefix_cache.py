@@ -4,8 +4,9 @@
 Each model trains on a few batches of distinct samples (an epoch). From the second epoch every
 sample is a hit: ``memory`` keeps the entries in host memory, ``disk`` memory-maps them (the
 page cache warm: they were just written). ``first epoch`` is an epoch that stores every sample
-(a cleared cache, so it also pays the first miss's one-time work). Each figure is the median of
-the rounds, as a ratio to the gate alone's.
+(a cleared cache, so it also pays the first miss's one-time work). The methods' epochs run in
+lockstep, batch by batch in a new order each time, so that a busy machine slows them alike;
+each figure is the median over the rounds of the epoch's time over the gate alone's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def measure(
     size: Size = "full",
     models: tuple[str, ...] = MODELS,
     batches: int = 8,
-    repeats: int = 5,
+    repeats: int = 7,
     device: torch.device | None = None,
 ) -> list[dict[str, Any]]:
     """One row per model: the gate alone's step and each method's ratio to it."""
@@ -52,7 +53,7 @@ def _row(workload: Workload, folder: str, batches: int, repeats: int) -> dict[st
     size = workload.batch.shape[0]
     inputs = [_variant(workload.batch, k) for k in range(batches)]
     keys = [list(range(k * size, (k + 1) * size)) for k in range(batches)]
-    epochs: dict[str, Callable[[], None]] = {}
+    steps: dict[str, Callable[[int], None]] = {}
     caches: dict[str, gg.PrefixCache] = {}
     for method in METHODS:
         model = copy.deepcopy(workload.model)
@@ -61,32 +62,39 @@ def _row(workload: Workload, folder: str, batches: int, repeats: int) -> dict[st
         if method != "gate":
             disk = {"store": "disk", "path": folder} if method == "disk" else {}
             cache = caches[method] = gg.PrefixCache(gate, check=0.0, **disk)  # type: ignore[arg-type]
-        epochs[method] = _epoch(workload, model, cache, inputs, keys, fresh=method == "first epoch")
-    for run in epochs.values():  # warm-up: the caches hold every sample from here on
-        run()
-    times: dict[str, list[float]] = {method: [] for method in METHODS}
-    for round_ in range(repeats):
-        order = list(METHODS)
-        random.Random(round_).shuffle(order)
-        for method in order:
-            start = time.perf_counter()
-            epochs[method]()
-            times[method].append((time.perf_counter() - start) / batches)
-    gate_step = statistics.median(times["gate"])
+        fresh = method == "first epoch"
+        steps[method] = _stepper(workload, model, cache, inputs, keys, fresh=fresh)
+    for method in METHODS:  # warm-up: the caches hold every sample from here on
+        for k in range(batches):
+            steps[method](k)
+    ratios: dict[str, list[float]] = {method: [] for method in METHODS}
+    gate_steps = []
+    for round_ in range(repeats):  # the methods' epochs in lockstep: batch k of each in turn
+        seconds = dict.fromkeys(METHODS, 0.0)
+        for k in range(batches):
+            order = list(METHODS)
+            random.Random(round_ * batches + k).shuffle(order)
+            for method in order:
+                start = time.perf_counter()
+                steps[method](k)
+                seconds[method] += time.perf_counter() - start
+        gate_steps.append(seconds["gate"] / batches)
+        for method in METHODS:
+            ratios[method].append(seconds[method] / seconds["gate"])
     stats = caches["memory"].stats
     for cache in caches.values():
         cache.remove()
     return {
         "model": workload.name,
-        "gate_step_seconds": gate_step,
-        "memory": statistics.median(times["memory"]) / gate_step,
-        "disk": statistics.median(times["disk"]) / gate_step,
-        "first_epoch": statistics.median(times["first epoch"]) / gate_step,
+        "gate_step_seconds": statistics.median(gate_steps),
+        "memory": statistics.median(ratios["memory"]),
+        "disk": statistics.median(ratios["disk"]),
+        "first_epoch": statistics.median(ratios["first epoch"]),
         "bytes_per_sample": stats.stored_bytes // max(stats.entries, 1),
     }
 
 
-def _epoch(
+def _stepper(
     workload: Workload,
     model: torch.nn.Module,
     cache: gg.PrefixCache | None,
@@ -94,23 +102,24 @@ def _epoch(
     keys: list[list[int]],
     *,
     fresh: bool,
-) -> Callable[[], None]:
+) -> Callable[[int], None]:
+    """Step ``k`` of an epoch; with ``fresh``, step 0 starts from an empty cache (the epoch
+    stores every sample, paying the first miss's one-time work too)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    def run() -> None:
-        if fresh and cache is not None:
+    def step(k: int) -> None:
+        if fresh and k == 0 and cache is not None:
             cache.clear()
-        for batch, batch_keys in zip(inputs, keys, strict=True):
-            optimizer.zero_grad(set_to_none=True)
-            if cache is None:
-                loss = workload.loss(workload.forward(model, batch))
-            else:
-                with cache.keys(batch_keys):
-                    loss = workload.loss(workload.forward(model, batch))
-            loss.backward()
-            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cache is None:
+            loss = workload.loss(workload.forward(model, inputs[k]))
+        else:
+            with cache.keys(keys[k]):
+                loss = workload.loss(workload.forward(model, inputs[k]))
+        loss.backward()
+        optimizer.step()
 
-    return run
+    return step
 
 
 def _variant(batch: torch.Tensor, k: int) -> torch.Tensor:
@@ -124,7 +133,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The section as text: per model, the gate alone's step and each ratio to it."""
     lines = [
         f"Skip the frozen prefix: gg.PrefixCache at depth {DEPTH} of {BLOCKS}, step time as a "
-        "ratio to the gate alone (median of interleaved epochs)",
+        "ratio to the gate alone (median of rounds of lockstep epochs)",
         "",
         "| model | gate alone (s/step) | from the 2nd epoch, memory | disk, page cache warm "
         "| first epoch | bytes per sample |",

@@ -328,6 +328,7 @@ class PrefixCache(Handle):
                 self._counts["not_stored"] += 1
                 continue
             self._store.put(state.position, key, entry)
+        self._store.flush()
 
     def _room(self, cut: int, key: Key, nbytes: int) -> bool:
         if self._store.room_for(cut, key, nbytes):

@@ -98,6 +98,9 @@ class MemoryStore:
     def rewrite(self, cut: int, manifest: dict[str, Any]) -> None:
         """Replace a cut's manifest (a disk store's)."""
 
+    def flush(self) -> None:
+        """Make what was stored readable by another process (a disk store's)."""
+
     def close(self) -> None:
         self._cuts.clear()
         self.stored_bytes = 0
@@ -186,6 +189,11 @@ class DiskStore(MemoryStore):
     def loaded(self, cut: int) -> bool:
         return cut in self._where
 
+    def flush(self) -> None:
+        """Make the index lines written so far readable by another process."""
+        for index in self._index.values():
+            index.flush()
+
     def get(self, cut: int, key: Key) -> Entry | None:
         record = self._where.get(cut, {}).get(key)
         if record is None:
@@ -221,7 +229,6 @@ class DiskStore(MemoryStore):
                 [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.numel()]
             )
             at += raw.numel()
-        data.flush()  # the bytes before the line that points to them
         record: dict[str, Any] = {"key": key, "chunk": chunk, "offset": offset}
         record |= {"tensors": described, "inputs": entry.inputs}
         record |= {"start": entry.start, "steps": entry.steps}
@@ -229,8 +236,8 @@ class DiskStore(MemoryStore):
         if index is None:  # kept open: a line per entry stored
             index = open(self._cut_dir(cut) / "index.jsonl", "a", encoding="utf-8")  # noqa: SIM115
             self._index[cut] = index
-        index.write(json.dumps(record) + "\n")
-        index.flush()
+        index.write(json.dumps(record) + "\n")  # after the bytes it points to (the page cache
+        # holds both for any process; flush() makes the lines visible to a later run)
         self.stored_bytes += size - self._bytes_of(cut, key)
         self._where[cut][key] = record
         self._end[cut] = (chunk, at)
@@ -257,7 +264,7 @@ class DiskStore(MemoryStore):
 
     def _close_cut(self, cut: int) -> None:
         for key in [k for k in self._chunks if k[0] == cut]:
-            self._chunks.pop(key)
+            self._chunks.pop(key).flush()
         index = self._index.pop(cut, None)
         if index is not None:
             index.close()
