@@ -133,3 +133,48 @@ def test_a_batch_of_hits_and_misses_matches_the_gate_alone() -> None:
     got, cache = train(model, data, loss_fn, 1, {"check": 0.0}, orders)
     assert_same_steps(expected, got)
     assert cache is not None and (cache.stats.hits, cache.stats.misses) == (4, 6)
+
+
+@pytest.mark.parametrize("order", ["cache first", "compile first"])
+def test_compiled_blocks_behind_the_cache(order: str) -> None:
+    model, data, loss_fn = MODELS["gpt2"]()
+    reference = copy.deepcopy(model)
+    expected, _ = train(reference, data, loss_fn, 1, None)
+    handle = None
+    if order == "compile first":
+        handle = gg.compile_blocks(model, backend="eager")
+    gate = gg.BackpropGate(model, depth=1)
+    cache = gg.PrefixCache(gate, check=0.0)
+    if order == "cache first":
+        handle = gg.compile_blocks(model, backend="eager")
+    optimizer = torch.optim.SGD(list(model.parameters()), lr=0.05)
+    got = []
+    for order_ in ORDERS:
+        for start in range(0, len(order_), 2):
+            keys = order_[start : start + 2]
+            optimizer.zero_grad(set_to_none=True)
+            with cache.keys(keys):
+                loss = loss_fn(model, data[keys])
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            got.append((loss.detach().clone(), grads))
+            optimizer.step()
+    assert_same_steps(expected, got)
+    assert cache.stats.hits == 2 * SAMPLES
+    assert handle is not None
+    handle.remove()
+    cache.remove()
+    gate.remove()
+    assert all("forward" not in vars(block) for block in model.transformer.h)
+
+
+def test_torch_compile_of_the_model_runs_without_the_cache() -> None:
+    model, data, loss_fn = MODELS["gpt2"]()
+    gate = gg.BackpropGate(model, depth=1)
+    cache = gg.PrefixCache(gate)
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(2):
+        with cache.keys([0, 1]):
+            loss_fn(compiled, data[:2]).backward()
+    assert (cache.stats.hits, cache.stats.misses) == (0, 0)  # the cache stands aside
+    assert model.transformer.h[0].attn.c_attn.weight.grad is None  # the gate still cuts

@@ -26,7 +26,6 @@ from torch import nn
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.frames_compile import COMPILED_MARK, CacheNotice, block_tracing, kept_eager
 from .._plumbing.handles import Handle
-from .._plumbing.hooks import HookedForward
 from .._plumbing.torch_internals import guards_hooks, needs
 from .._select.names import Pattern, resolve_blocks
 
@@ -100,20 +99,18 @@ def compile_blocks(
     return Handle(undo, description=f"compile_blocks over {len(points)} blocks")
 
 
-def _slot(block: nn.Module) -> tuple[HookedForward | None, Any]:
+def _slot(block: nn.Module) -> tuple[Any, Any]:
     """Where the block's own forward is called from, and that forward: the block itself, or
-    the innermost of a gate's wrappers installed as its ``forward`` (their hooks stay out of
-    the compiled code, as when the gate comes after ``compile_blocks``)."""
+    the innermost of the wrappers installed as its ``forward`` (a gate's, a prefix cache's:
+    they stay out of the compiled code, as when they come after ``compile_blocks``)."""
     wrapper = None
-    forward = block.forward
-    while isinstance(forward, HookedForward):
+    forward: Any = block.forward
+    while getattr(forward, "around_forward", False):
         wrapper, forward = forward, forward.inner
     return wrapper, forward
 
 
-def _install(
-    block: nn.Module, wrapper: HookedForward | None, eager: Any, compiled: Any
-) -> Callable[[], None]:
+def _install(block: nn.Module, wrapper: Any, eager: Any, compiled: Any) -> Callable[[], None]:
     """``compiled`` in the place of ``eager``; returns what puts ``eager`` back, wherever the
     gates added or removed since have left ``compiled``."""
     if wrapper is None:
@@ -127,14 +124,14 @@ def _install(
             wrapper.previous = compiled
 
     def undo() -> None:
-        forward = vars(block).get("forward")
+        forward: Any = vars(block).get("forward")
         if forward is compiled:
             if before is None:
                 del vars(block)["forward"]
             else:
                 object.__setattr__(block, "forward", before)
             return
-        while isinstance(forward, HookedForward):  # a gate's wrapper around it
+        while getattr(forward, "around_forward", False):  # a wrapper around it
             if forward.previous is compiled:
                 forward.previous = before
             if forward.inner is compiled:

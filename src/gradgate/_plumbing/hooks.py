@@ -55,8 +55,11 @@ class _InstanceForward:
 
     A copy of the module (``copy.deepcopy``, ``pickle``, ``torch.save``) gets the forward the
     wrapper wrapped; once uninstalled (or if it could not be, e.g. wrapped again later) the
-    wrapper only calls through.
+    wrapper only calls through. ``around_forward``: the wrapper calls ``inner`` as the block's
+    own forward, which ``compile_blocks`` may replace beneath it (a gate's, a prefix cache's).
     """
+
+    around_forward = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -168,6 +171,8 @@ class HookedForward(_InstanceForward):
     ``function(first, wrapper, args, kwargs)`` does what they would, and more cheaply (a bound
     method, so that calling it from here needs no C frame).
     """
+
+    around_forward = True
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)

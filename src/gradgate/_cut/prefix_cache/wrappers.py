@@ -13,6 +13,7 @@ from torch import nn
 
 from ..._plumbing import torch_internals as internals
 from ..._plumbing.hooks import _InstanceForward
+from ..._plumbing.torch_internals import skip_frames
 from .keys import KEY_COLUMN
 
 
@@ -48,6 +49,8 @@ class CacheForward(_InstanceForward):
 class BlockForward(_InstanceForward):
     """A block's forward, which the forward's run may stand in for."""
 
+    around_forward = True  # compile_blocks compiles the forward beneath it
+
     def __init__(self, module: nn.Module, cache: Any, position: int) -> None:
         super().__init__(module)
         self.cache, self.position = cache, position
@@ -57,3 +60,6 @@ class BlockForward(_InstanceForward):
         if run is None or not self.live:
             return self.inner(*args, **kwargs)
         return run.block(self.position, self.inner, args, kwargs)
+
+
+skip_frames(CacheForward.__call__, BlockForward.__call__)  # dynamo never traces the cache
