@@ -466,7 +466,7 @@ def test_json_may_carry_the_optional_sections(tmp_path: Path) -> None:
 
 
 def test_the_prefix_cache_section_measures_its_ratios() -> None:
-    from gradgate._bench import prefix_cache
+    from gradgate._bench.sections import prefix_cache
 
     rows = prefix_cache.measure(size="tiny", models=("conv_stack",), batches=2, repeats=1)
     assert [row["model"] for row in rows] == ["conv_stack"]

@@ -198,8 +198,8 @@ def test_bad_keys_are_refused(keys: Any, message: str) -> None:
         ({"check": 1.5}, "check=1.5 is out of range; expected \\[0, 1\\]"),
         ({"check": -0.1}, "check=-0.1 is out of range"),
         ({"check": "often"}, "check='often'; expected a number in \\[0, 1\\]"),
-        ({"max_bytes": "lots"}, "max_bytes='lots' is not a size"),
-        ({"max_bytes": -1}, "max_bytes=-1 is not a size"),
+        ({"max_bytes": "lots"}, "max_bytes 'lots' is not a size"),
+        ({"max_bytes": -1}, "max_bytes -1 is not a size"),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:

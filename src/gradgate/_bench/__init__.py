@@ -262,8 +262,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prefix_cache(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from . import prefix_cache
     from .device import resolve
+    from .sections import prefix_cache
     from .workloads import Size
 
     size: Size = "tiny" if args.tiny else "quick" if args.quick else "full"

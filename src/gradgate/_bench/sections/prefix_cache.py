@@ -23,8 +23,8 @@ import torch
 
 import gradgate as gg
 
-from .catalog import FACTORIES
-from .workloads import Size, Workload
+from ..catalog import FACTORIES
+from ..workloads import Size, Workload
 
 MODELS = ("transformer", "gpt2", "llama", "conv_stack")
 BLOCKS, DEPTH = 12, 1
@@ -148,11 +148,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    """``python -m gradgate._bench.prefix_cache [--quick | --tiny] [--threads N]``: the section
-    alone (``gradgate bench --prefix-cache`` adds it to the whole benchmark)."""
+    """The section alone: ``python -m gradgate._bench.sections.prefix_cache [--quick | --tiny]
+    [--threads N]`` (``gradgate bench --prefix-cache`` adds it to the whole benchmark)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.prefix_cache")
+    parser = argparse.ArgumentParser(prog="python -m gradgate._bench.sections.prefix_cache")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true")
     size.add_argument("--tiny", action="store_true")
