@@ -131,6 +131,7 @@ def test_a_random_prefix_warns_when_the_cache_is_built(kind: str) -> None:
     model.eval()
     gg.PrefixCache(gate)  # in eval mode: deterministic, nothing to say
     model.train()
+    gate.remove()
     gg.PrefixCache(gg.BackpropGate(model, depth=1, prefix_mode="eval"))  # the gate evals it
 
 

@@ -124,17 +124,21 @@ def _tokens_run(model: Any, cache: gg.PrefixCache, keys: list[int]) -> Any:
 def test_a_later_run_reads_the_disk_store(tmp_path: Any) -> None:
     model, _, _ = gpt2()
     pristine = copy.deepcopy(model)
-    first = gg.PrefixCache(gg.BackpropGate(model, depth=1), store="disk", path=tmp_path, check=0)
+    gate = gg.BackpropGate(model, depth=1)
+    first = gg.PrefixCache(gate, store="disk", path=tmp_path, check=0)
     expected = _tokens_run(model, first, [7, 8, 9])
     assert first.stats.misses == 3
     first.remove()
+    gate.remove()
     for gated in (model, copy.deepcopy(pristine)):  # the same weights, as a later run loads them
-        cache = gg.PrefixCache(gg.BackpropGate(gated, depth=1), store="disk", path=tmp_path)
+        gate = gg.BackpropGate(gated, depth=1)
+        cache = gg.PrefixCache(gate, store="disk", path=tmp_path)
         got = _tokens_run(gated, cache, [7, 8, 9])
         assert (cache.stats.hits, cache.stats.misses) == (3, 0)
         assert torch.equal(expected[0], got[0])
         assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))
         cache.remove()
+        gate.remove()
     assert sorted(p.name for p in (tmp_path / "cut-2").iterdir()) == [
         "chunk-00000.npy",
         "index.jsonl",
