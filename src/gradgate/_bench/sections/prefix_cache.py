@@ -45,11 +45,14 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="gradgate-prefix-cache-") as folder:
         for name in models:
             workload = FACTORIES[name](size=size, n=BLOCKS, device=device)
-            rows.append(_row(workload, f"{folder}/{name}", batches, repeats))
+            rows.append(_row(workload, f"{folder}/{name}", batches, repeats, device))
     return rows
 
 
-def _row(workload: Workload, folder: str, batches: int, repeats: int) -> dict[str, Any]:
+def _row(
+    workload: Workload, folder: str, batches: int, repeats: int, device: torch.device
+) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     size = workload.batch.shape[0]
     inputs = [_variant(workload.batch, k) for k in range(batches)]
     keys = [list(range(k * size, (k + 1) * size)) for k in range(batches)]
@@ -75,8 +78,10 @@ def _row(workload: Workload, folder: str, batches: int, repeats: int) -> dict[st
             order = list(METHODS)
             random.Random(round_ * batches + k).shuffle(order)
             for method in order:
+                sync()
                 start = time.perf_counter()
                 steps[method](k)
+                sync()
                 seconds[method] += time.perf_counter() - start
         gate_steps.append(seconds["gate"] / batches)
         for method in METHODS:
@@ -149,7 +154,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     """The section alone: ``python -m gradgate._bench.sections.prefix_cache [--quick | --tiny]
-    [--threads N]`` (``gradgate bench --prefix-cache`` adds it to the whole benchmark)."""
+    [--threads N] [--device cuda]`` (``gradgate bench --prefix-cache`` adds it to the whole
+    benchmark)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m gradgate._bench.sections.prefix_cache")
@@ -157,12 +163,14 @@ def main() -> None:
     size.add_argument("--quick", action="store_true")
     size.add_argument("--tiny", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the store stays on the host)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen: Size = "tiny" if args.tiny else "quick" if args.quick else "full"
-    print(table(measure(size=chosen, models=tuple(args.models))))
+    device = torch.device(args.device)
+    print(table(measure(size=chosen, models=tuple(args.models), device=device)))
 
 
 if __name__ == "__main__":
