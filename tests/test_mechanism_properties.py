@@ -263,8 +263,9 @@ def test_dropped_parameters_keep_still_and_restart_like_new_ones(
     ours = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)]).double()
     ref = copy.deepcopy(ours)
     make = {
-        "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
-        "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1),
+        # rates small enough that no drawn loop diverges (NaN weights never compare equal)
+        "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=0.1),
+        "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
     }[optimizer]
     opt, ref_opt = make(ours), make(ref)
     steps = data.draw(
@@ -296,6 +297,7 @@ def test_dropped_parameters_keep_still_and_restart_like_new_ones(
         for i in dropped:
             assert all(p.grad is None and p not in opt.state for p in ours[i].parameters()), t
         same_params(ours, ref, t)
+        assert all(p.isfinite().all() for p in ours.parameters()), t  # a real comparison
         resting = [p for i in dropped for p in ours[i].parameters()]
         before = [p.detach().clone() for p in resting]
         opt.step()  # a step with no backward: the zeros left step, the dropped stay still
