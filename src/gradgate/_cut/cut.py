@@ -53,8 +53,8 @@ from .frames import (
     set_prefix_mode,
 )
 from .fsdp import FsdpPlan
-from .held import HeldFrozen, Learners, call_at_backward, graph_of
-from .plans import PlanKey, first_opener, lane_steps, opens_after
+from .held import HeldFrozen, Learners, MissingGradients, call_at_backward, graph_of
+from .plans import PlanKey, first_opener, lane_steps, learners_under_every_gate, opens_after
 from .stacks import Stacks
 from .stale_grads import CutGrads
 
@@ -104,6 +104,7 @@ class _Cut(BlockHooks, Handle):
         self._gap_walked: set[int] = set()  # their ids (kept in place: the hook reads it)
         self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
+        self._missing = MissingGradients()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
@@ -157,6 +158,7 @@ class _Cut(BlockHooks, Handle):
             self._gap_keep = self._keep | self._in_blocks
             self._extra_blocks, self._extra_outside = self._stacks.holding(extra)
         self._learn, self._extra = learn, extra
+        self._missing.plan_changed()
         self._new_tables()
         self._hooks_for_plan()
         self._fsdp.plan_changed()  # FSDP2: no backward all-gather where backward never runs
@@ -257,10 +259,12 @@ class _Cut(BlockHooks, Handle):
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
         frame.single = len(open_frames()) == 1
+        if self._missing.pending and grad and not self._fsdp.sharded:  # a plan's first forward
+            frame.watch = self._missing.arm((self._learn, self._skip, self._extra))
         if self.prefix_mode == "keep":
             if self._first is None:
                 self._first_opener()  # the plan's tables, which the lane reads
-            frame.lane = self
+            frame.lane = self if frame.watch is None else None  # watched: every block's hooks
         elif blocking:
             frame.training = self._set_prefix_mode(self._model)
         if blocking:
@@ -301,6 +305,17 @@ class _Cut(BlockHooks, Handle):
         if frame.gap_calls and not raising:  # they ran after the last block that ran
             self._gap_ran_last(frame.gap_calls, GAP in frame.frozen)
         close_frame(frame)
+        if frame.watch is not None and not raising:  # after close: the learners' own flags
+            watched = graph or graph_of(output)
+            frame.watch.after_forward(
+                learners_under_every_gate(self._model),
+                self._model,
+                self._points,
+                frame.ran,
+                watched,
+            )
+        elif frame.watch is not None:
+            self._missing.pending = True
         if not raising:  # no diagnostics while an exception propagates
             self._stacks.learn(frame)
             self._warn_after_forward(frame, never_opened, nothing_learns)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._cut.gate import gate_points, gated_model
 from .._plumbing.errors import InvalidOptionError, NoBackwardWarning, warn
 from .._plumbing.validate import (
     count_option,
@@ -325,14 +326,15 @@ class Importance(Schedule):
         """Any number of blocks: the candidates are resolved on the gated model."""
 
     def _bind(self, gate: Any) -> None:
-        model = gate._model
+        model = gated_model(gate)
         if model is self._model:
             return
-        names, params, positions, inside = resolve(model, gate._points, self.modules)
+        points = gate_points(gate)
+        names, params, positions, inside = resolve(model, points, self.modules)
         sizes = [sum(p.numel() for p in group) for group in params]
         check_budget(names, sizes, self.budget)
         check_known(set(names), self._ema, self._drawn)
-        self._model, self.n = model, len(gate._points)
+        self._model, self.n = model, len(points)
         self._names, self._params, self._sizes = names, params, sizes
         self._positions, self._inside = positions, inside
         for name in names:
