@@ -120,7 +120,6 @@ class BackpropGate(_Cut):
         skip = frozenset(self._positions(items, option="skip"))
         if skip != self._skip:
             self._plan_changing()
-            self._missing.plan_changed()
         self._skip = skip
         self._new_tables()
         self._hooks_for_plan()

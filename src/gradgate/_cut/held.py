@@ -158,7 +158,7 @@ def _give_back(params: list[nn.Parameter]) -> None:
 
 # -- the missing-gradient guard ------------------------------------------------------------------
 class MissingGradients:
-    """After the backward of the first forward under each plan (the first 64 plans): warns
+    """After the backward of the first forward under each plan (of the first 64): warns
     (:class:`~gradgate.MissingGradientWarning`, once per cause) about parameters the plan says
     learn that got no gradient, where that forward shows why. A parameter is only named with
     evidence that its gradient was meant to come: its block ran with grad off inside a forward
@@ -183,7 +183,9 @@ class MissingGradients:
             return None
         return GradientWatch(self, key)
 
-    def plan_changed(self) -> None:
+    def new_plan(self) -> None:
+        """The gate made the tables of a plan it had not seen lately (see _Cut._first_opener):
+        the next forward with grad is that plan's first."""
         self.pending = len(self._checked) < self.LIMIT
 
     def done(self, key: Any) -> None:
