@@ -110,7 +110,7 @@ class Driver:
             self.plan = self.schedule.apply(self.gate, step)
             self.step = step
             self._release()  # what the last step held frozen learns again if the plan says so
-            learns = self.metrics.planned(self.schedule, self.plan, self.gate)
+            learns = self.metrics.planned(self.gate)
             self._hold(learns)
         return self.plan
 
@@ -170,7 +170,9 @@ class Driver:
 
     def logged(self) -> dict[str, float]:
         """What the callbacks log for the current step (see ``_metrics``), ``gradgate/...``."""
-        return self.metrics.logged() if self.gate is not None else {}
+        if self.gate is None or self.plan is None:
+            return {}
+        return self.metrics.logged(self.schedule, self.plan, self.gate)
 
     def detach(self) -> None:
         """Give back the parameters held frozen; remove the gate if this driver made it."""

@@ -38,12 +38,11 @@ class StepMetrics:
         self._planned: dict[str, float] = {}
         self._observed: dict[str, float] = {}
 
-    def planned(self, schedule: Schedule, plan: Plan, gate: Any) -> Learning:
-        """Take the numbers of a step's plan, just set on ``gate``; returns what learns."""
+    def planned(self, gate: Any) -> Learning:
+        """Take what learns under a step's plan, just set on ``gate``, and return it."""
         found = learning(gated_model(gate))
-        numbers: dict[str, float] = dict(schedule.metrics(plan, len(gate.blocks)))
+        numbers = {f"learns/{block}": count for block, count in found.blocks.items()}
         numbers["learning_parameters"] = found.count
-        numbers.update((f"learns/{block}", count) for block, count in found.blocks.items())
         self._planned = {f"{PREFIX}{key}": float(value) for key, value in numbers.items()}
         self._observed = {}
         return found
@@ -67,9 +66,12 @@ class StepMetrics:
                 for block, value in zip(blocks, values, strict=True)
             }
 
-    def logged(self) -> dict[str, float]:
-        """Everything to log for the current step (nothing before the first plan)."""
-        return {**self._planned, **self._observed}
+    def logged(self, schedule: Schedule, plan: Plan, gate: Any) -> dict[str, float]:
+        """Everything to log for the current step: the schedule's numbers as they are now
+        (Importance's scores include this step's gradients once observed), then ours."""
+        numbers = schedule.metrics(plan, len(gate.blocks))
+        found = {f"{PREFIX}{key}": float(value) for key, value in numbers.items()}
+        return {**found, **self._planned, **self._observed}
 
     def clear(self) -> None:
         self._planned, self._observed = {}, {}
