@@ -129,11 +129,15 @@ def test_without_a_gate_it_is_the_requires_grad_view_and_prints_a_table() -> Non
     assert (found.count, found.total, found.blocks) == (22, 26, {})
     assert found.names == ["0.weight", "2.weight", "2.bias"]
     assert found.learns("0.weight") and not found.learns(net[0].bias)
-    assert str(found) == repr(found) == (
-        "module  learning  of\n"
-        "0             12  16\n"
-        "2             10  10\n"
-        "learning 22 of 26 parameters (84.62%) under no gate: requires_grad only"
+    assert (
+        str(found)
+        == repr(found)
+        == (
+            "module  learning  of\n"
+            "0             12  16\n"
+            "2             10  10\n"
+            "learning 22 of 26 parameters (84.62%) under no gate: requires_grad only"
+        )
     )
     with pytest.raises(gg.InvalidOptionError, match=r"learns\('0.wieght'\): no parameter of"):
         found.learns("0.wieght")
