@@ -35,7 +35,7 @@ def _built(name: str) -> tuple[nn.Module, Any, Any, Any]:
         model, loss, blocks = entry.build(), entry.loss, entry.blocks
         batch = entry.batch(0)
     else:
-        model, batch, loss = REAL_MODELS[name]()
+        model, batch, loss = OURS[name]()
         blocks = None
     model = model.double().eval()
     batch = _double(batch)
@@ -82,10 +82,8 @@ def _learned(name: str, plan: dict[str, Any], *, seen: bool, frozen: list[str]) 
     )
 
 
+OURS = {**REAL_MODELS, "gpt2_tied": functools.partial(REAL_MODELS["gpt2"], tied=True)}
 NAMES = [*sorted(ZOO), "gpt2_tied", "bert", "cnn_bn", "long_skip"]
-
-
-REAL_MODELS["gpt2_tied"] = functools.partial(REAL_MODELS["gpt2"], tied=True)
 
 
 def _every_depth(name: str, seen: bool) -> None:

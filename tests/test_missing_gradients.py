@@ -256,3 +256,12 @@ def test_a_backward_for_some_inputs_only_is_never_named() -> None:
         net(torch.randn(2, 3)).sum().backward(inputs=[net.blocks[2][0].weight])
     assert net.blocks[3][0].weight.grad is None and net.blocks[2][0].weight.grad is not None
     gate.remove()
+
+
+def test_a_watched_forward_with_no_backward_leaves_no_hook_after_remove() -> None:
+    net = Net()
+    gate = gg.BackpropGate(net, depth=2)
+    net(torch.randn(2, 3))  # watched (the plan's first forward with grad), never backward
+    assert any(p._backward_hooks for p in net.parameters())  # the guard waits for a backward
+    gate.remove()
+    assert not any(p._backward_hooks for p in net.parameters())

@@ -419,6 +419,7 @@ class _Cut(BlockHooks, Handle):
 
     def _remove_hooks(self) -> None:
         self._unheld = []
+        self._missing.release()
         self._drop_watch_hook()
         if self._assignments is not None:
             self._assignments.remove()

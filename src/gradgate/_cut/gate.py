@@ -414,6 +414,6 @@ def learner_ids(model: nn.Module) -> set[int] | None:
     return learners_under_every_gate(model)
 
 
-def forward_count(gate: _Cut) -> int:
-    """How many forwards of the gated model ran so far."""
-    return gate._forwards
+def forward_count(gate: object) -> int | None:
+    """How many forwards of the gated model ran so far (``None`` for what is not a gate)."""
+    return gate._forwards if isinstance(gate, _Cut) else None

@@ -175,13 +175,23 @@ class MissingGradients:
         self.pending = True  # the next forward with grad is the first of a plan
         self._checked: set[Any] = set()
         self._said: set[str] = set()
+        self._watch: GradientWatch | None = None  # the last one, until its backward
 
     def arm(self, key: Any) -> GradientWatch | None:
         """A forward with grad under plan ``key`` starts: watch it if it is the plan's first."""
         self.pending = False
         if key in self._checked or len(self._checked) >= self.LIMIT:
             return None
-        return GradientWatch(self, key)
+        self.release()  # a watched forward that never had its backward: forget it
+        self._watch = GradientWatch(self, key)
+        return self._watch
+
+    def release(self) -> None:
+        """Take the hooks of a watch still waiting for its backward off the parameters (at the
+        next watch, and when the gate is removed: no trace)."""
+        if self._watch is not None:
+            self._watch.release()
+            self._watch = None
 
     def new_plan(self) -> None:
         """The gate made the tables of a plan it had not seen lately (see _Cut._first_opener):
@@ -282,9 +292,15 @@ class GradientWatch:
 
         return got
 
-    def check(self) -> None:
+    def release(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
+
+    def check(self) -> None:
+        if self.owner._watch is not self:
+            return  # released: a later watch or the gate's removal came first
+        self.owner.release()
         self.owner.done(self.key)
         causes: dict[str, list[str]] = {}
         for key, (param, name) in self._expected.items():

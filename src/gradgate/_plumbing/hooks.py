@@ -159,13 +159,13 @@ class ForwardGuard(_InstanceForward):
             wrapper.install()
 
 
-def guard_owners(module: nn.Module) -> list[object]:
+def guard_owners(module: nn.Module) -> list[Any]:
     """What installed each live :class:`ForwardGuard` on ``module`` (its gates), outermost first.
 
     >>> guard_owners(nn.Linear(2, 2))
     []
     """
-    found: list[object] = []
+    found: list[Any] = []
     wrapper = module.__dict__.get("forward")
     while isinstance(wrapper, _InstanceForward):
         if isinstance(wrapper, ForwardGuard) and wrapper.live:

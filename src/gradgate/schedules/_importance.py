@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._cut.gate import gate_points, gated_model
+from .._cut.gate import forward_count, gate_points, gated_model
 from .._plumbing.errors import InvalidOptionError, NoBackwardWarning, warn
 from .._plumbing.validate import (
     count_option,
@@ -157,7 +157,7 @@ class Importance(Schedule):
     def _check_observed(self, gate: Gate) -> None:
         """A window starts: warn (once) if the last one trained with no observe(), which
         leaves the scores where they were (``None`` at first: the draw stays uniform)."""
-        forwards = getattr(gate, "_forwards", None)  # the gated model's forwards so far
+        forwards = forward_count(gate)  # the gated model's forwards so far
         trained = forwards is None or forwards != self._window_forwards
         last, self._window_forwards = self._window, forwards
         observed, self._observed = self._observed, False
