@@ -2,7 +2,7 @@
 
 The last block learns first; one more block joins every 2 optimizer steps. The callback sets
 the plan before each step's first batch (the same plan for the accumulated batches of one
-step) and logs it with ``self.log``: here to a CSV logger.
+step) and logs it to the trainer's loggers: here a CSV logger.
 """
 
 import csv

@@ -203,3 +203,55 @@ def test_a_tree_anyone_can_scan() -> None:
         for sub in [folder, *subs]:
             modules = [p for p in sub.glob("*.py") if p.name != "__init__.py"]
             assert len(modules) <= 12, (sub.relative_to(SRC), len(modules))
+
+
+# -- a gate's fields stay inside the cut ---------------------------------------------------
+GATE_CLASSES = ("_cut/cut.py", "_cut/gate.py", "_cut/cut_blocks.py")
+
+
+def _own_fields(path: Path) -> set[str]:
+    """The private attributes a module's classes set on ``self`` (or annotate)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [target] if target else []
+        for item in targets:
+            for leaf in ast.walk(item):
+                if isinstance(leaf, ast.Attribute) and _dotted(leaf.value) == "self":
+                    found.add(leaf.attr)
+                elif isinstance(leaf, ast.Name) and isinstance(node, ast.AnnAssign):
+                    found.add(leaf.id)
+    return {name for name in found if name.startswith("_") and not name.startswith("__")}
+
+
+def _gate_field_reads(path: Path, fields: set[str]) -> list[str]:
+    """``gate._points``, ``self.gate._model``, ``getattr(gate, "_keep")``: any private attribute
+    read through a name that says gate, and the gate's own fields read through anything."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            owner = ast.unparse(node.value)
+            if owner in ("self", "cls") or node.attr.startswith("__"):
+                continue
+            if "gate" in owner.lower() or node.attr in fields:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: {owner}.{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and _dotted(node.func) in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
+            name, owner = str(node.args[1].value), ast.unparse(node.args[0])
+            if name.startswith("_") and ("gate" in owner.lower() or name in fields):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: {owner}.{name}")
+    return found
+
+
+def test_no_module_outside_the_cut_reads_a_gate_s_fields() -> None:
+    """Layers above the cut ask it (``gg.learning``, ``_cut.gate.gate_points``, ...) instead of
+    reading a gate's private fields, which change with the mechanism."""
+    outside = [p for p in _all_files() if "_cut" not in p.relative_to(SRC).parts]
+    theirs = set().union(*(_own_fields(p) for p in outside))
+    fields = set().union(*(_own_fields(SRC / name) for name in GATE_CLASSES)) - theirs
+    reads = [read for path in outside for read in _gate_field_reads(path, fields)]
+    assert not reads, "\n".join(reads)

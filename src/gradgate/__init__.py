@@ -28,6 +28,7 @@ from ._cut.prefix_cache import PrefixCache
 
 # freeze: which parameters learn?
 from ._tools.freeze import FreezeHandle, UnfreezeHandle, freeze, frozen, unfreeze
+from ._tools.learning import Learning, learning
 from ._plumbing.handles import Handle
 
 # learn rows: only some rows of an embedding or a head learn (new tokens)
@@ -83,6 +84,7 @@ from ._plumbing.errors import (
     InvalidDepthError,
     InvalidOptionError,
     MissingExtraError,
+    MissingGradientWarning,
     NoBackwardWarning,
     NoBlocksError,
     NoCudaError,
@@ -144,9 +146,11 @@ __all__ = [
     "InferenceTensorError",
     "InvalidDepthError",
     "InvalidOptionError",
+    "Learning",
     "MemoryPlan",
     "MemoryRow",
     "MissingExtraError",
+    "MissingGradientWarning",
     "NoBackwardWarning",
     "NoBlocksError",
     "NoCudaError",
@@ -183,6 +187,7 @@ __all__ = [
     "grad_transform",
     "graph",
     "learn_rows",
+    "learning",
     "reverse_grad",
     "scale_grad",
     "select",

@@ -53,8 +53,8 @@ from .frames import (
     set_prefix_mode,
 )
 from .fsdp import FsdpPlan
-from .held import HeldFrozen, Learners, call_at_backward, graph_of
-from .plans import PlanKey, first_opener, lane_steps, opens_after
+from .held import HeldFrozen, Learners, MissingGradients, call_at_backward, graph_of
+from .plans import PlanKey, first_opener, lane_steps, learners_under_every_gate, opens_after
 from .stacks import Stacks
 from .stale_grads import CutGrads
 
@@ -104,6 +104,7 @@ class _Cut(BlockHooks, Handle):
         self._gap_walked: set[int] = set()  # their ids (kept in place: the hook reads it)
         self._containers = {a for name, _ in points for a in ancestors(name)}  # keep their mode
         self._held = HeldFrozen()
+        self._missing = MissingGradients()
         self._shares_params = blocks_sharing_parameters(points)
         self._stale_grads = CutGrads(points, self._shared_ids)
         self._residual = ResidualPaths()
@@ -199,6 +200,7 @@ class _Cut(BlockHooks, Handle):
                 after = opens_after(learn, skip, of, first)
                 steps = lane_steps(learn, skip, self._extra_blocks, after, first)
                 tables = self._tables[key] = (first, after, steps)
+                self._missing.new_plan()  # a plan not seen lately: its first forward is watched
             self._first, self._after, self._steps = tables
         return self._first
 
@@ -257,12 +259,16 @@ class _Cut(BlockHooks, Handle):
         frame = Frame(gate=self, call_site=root_call_site(), grad_before=grad, blocking=blocking)
         push_frame(frame, alone=blocking and self.prefix_mode != "keep")
         frame.single = len(open_frames()) == 1
+        if self._first is None:
+            self._first_opener()  # the plan's tables, which the lane reads (made: a new plan)
         if self.prefix_mode == "keep":
-            if self._first is None:
-                self._first_opener()  # the plan's tables, which the lane reads
             frame.lane = self
         elif blocking:
             frame.training = self._set_prefix_mode(self._model)
+        if self._missing.pending and grad and not self._fsdp.sharded:  # a plan's first forward
+            frame.watch = self._missing.arm((self._learn, self._skip, self._extra))
+            if frame.watch is not None:
+                frame.lane = None  # watched: every block's hooks run, to see what happens
         if blocking:
             internals.set_grad_mode(False)
             if torch.is_autocast_cache_enabled():
@@ -301,6 +307,10 @@ class _Cut(BlockHooks, Handle):
         if frame.gap_calls and not raising:  # they ran after the last block that ran
             self._gap_ran_last(frame.gap_calls, GAP in frame.frozen)
         close_frame(frame)
+        if frame.watch is not None:  # after close: the learners' own flags
+            watched = [] if raising else graph or graph_of(output)  # none: watch the next one
+            learners = None if raising else learners_under_every_gate(self._model)
+            frame.watch.after_forward(learners, self._model, self._points, frame.ran, watched)
         if not raising:  # no diagnostics while an exception propagates
             self._stacks.learn(frame)
             self._warn_after_forward(frame, never_opened, nothing_learns)
@@ -409,6 +419,7 @@ class _Cut(BlockHooks, Handle):
 
     def _remove_hooks(self) -> None:
         self._unheld = []
+        self._missing.release()
         self._drop_watch_hook()
         if self._assignments is not None:
             self._assignments.remove()

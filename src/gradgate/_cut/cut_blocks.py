@@ -103,7 +103,7 @@ class BlockHooks:
         if frame.gap_calls:
             self._gap_modules.update(frame.gap_calls)  # these ran between blocks
             frame.gap_calls.clear()
-            frame.lane = self if self.prefix_mode == "keep" else None
+            frame.lane = self if self.prefix_mode == "keep" and frame.watch is None else None
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.gap_guess is not None:  # else the cut closes again here: no graph goes on
@@ -128,6 +128,9 @@ class BlockHooks:
             frame.frozen[position] = freeze_for_call(module, self._keep)
         if position in self._extra_blocks:  # its named module's hook would break its graph
             keep_eager(module)
+        if frame.watch is not None:  # the missing-gradient guard's evidence
+            learner = position not in self._skip and (self._learn is None or learns)
+            frame.watch.entered(position, learner, args, frame.grad_before)
 
     def _block_lane(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
         """A block's call, the usual way: in order, in a frame the lane may take (see
@@ -216,6 +219,9 @@ class BlockHooks:
             frame.explained = check_block_output_learns(self._points[position][0], module, output)
         if frame.blocking and not frame.opened and self._after[position]:  # made at the enter
             self._open_after(frame, position)
+        if frame.watch is not None:
+            learner = position not in self._skip and (self._learn is None or self._learns(position))
+            frame.watch.exited(position, learner, module, output)
         return replaced
 
     def _open_after(self, frame: Frame, position: int) -> None:
@@ -311,7 +317,7 @@ class BlockHooks:
         frame = self._own_frame()
         if frame is None:
             return
-        frame.outside_calls.append((index, len(frame.stacks_ran)))
+        frame.outside_calls.append((index, len(frame.stacks_ran), frame.last_position))
         if GAP in frame.frozen:  # unless known to run between blocks, it runs after them
             frame.gap_calls.append(index)
             frame.lane = None  # the next block's hooks take note of it
@@ -349,7 +355,7 @@ class BlockHooks:
                 else index not in self._stacks.after_some
             )
         ):
-            frame.outside_calls.append((index, len(frame.stacks_ran)))
+            frame.outside_calls.append((index, len(frame.stacks_ran), frame.last_position))
             return wrapper.inner(*args, **kwargs)
         return wrapper.call_hooks(args, kwargs)
 

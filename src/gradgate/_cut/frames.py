@@ -76,7 +76,8 @@ class Frame:
     last_position: int = -1
     ran: set[int] = field(default_factory=set)
     stacks_ran: list[int] = field(default_factory=list)  # in the order they first ran
-    outside_calls: list[tuple[int, int]] = field(default_factory=list)  # (module, stacks ran)
+    # (outside module, stacks started, the last block position that ran) at each of its calls
+    outside_calls: list[tuple[int, int, int]] = field(default_factory=list)
     gap_calls: list[int] = field(default_factory=list)  # outside modules run before the learner
     # the gap's frozen parameters, given back by an outside module taken for code after the
     # last block (LayerDrop) at its first run: a later block says whether that was wrong
@@ -95,6 +96,7 @@ class Frame:
     # outside module that ran before the learner waits for the next block's hooks
     lane: Any = None
     single: bool = False  # the only frame in its thread: opening the cut is turning grad on
+    watch: Any = None  # the first forward of a plan: what the missing-gradient guard sees
 
 
 def grad_held_off() -> bool:

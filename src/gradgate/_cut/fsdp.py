@@ -86,6 +86,11 @@ class FsdpPlan:
         self._keys = count()
         self._original: dict[Any, bool] | None = None  # each group's setting before the gate
 
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards a block (its parameters then change between calls)."""
+        return self._sharded
+
     def plan_changed(self) -> None:
         if self._sharded:
             self._wanted = self._needs()

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Sequence
 from torch import Tensor, nn
 
 from .._plumbing.errors import AlreadyGatedError, InvalidDepthError
-from .._plumbing.hooks import ForwardGuard, _InstanceForward
+from .._plumbing.hooks import guard_owners
+from .._plumbing.tagging import runs_itself
 from .._select.names import (
     Pattern,
     check_module,
@@ -20,6 +21,7 @@ from .._select.names import (
 )
 from .block_calls import require_a_forward
 from .cut import PrefixMode, _Cut
+from .plans import learners_under_every_gate
 
 
 class BackpropGate(_Cut):
@@ -138,7 +140,12 @@ class BackpropGate(_Cut):
         extra: list[nn.Module] = []
         by_id = {id(m): i for i, (_, m) in enumerate(self._points)}
         for pattern in (v for v in items if isinstance(v, str)):
-            for _, module in resolve_modules(self._model, [pattern]):
+            found = [
+                m
+                for _, named in resolve_modules(self._model, [pattern])
+                for m in ([named] if any(id(i) in by_id for i in named.modules()) else _run(named))
+            ]
+            for module in found:
                 if id(module) in by_id:
                     positions.add(by_id[id(module)])
                 elif module is self._model:
@@ -268,6 +275,18 @@ def stop_gradient_at(
     return gate
 
 
+def _run(module: nn.Module) -> list[nn.Module]:
+    """A module named in ``learn``, or for a container that is never called itself (a
+    ``ModuleList`` inside a block), its members that are: their hooks open the cut.
+
+    >>> _run(nn.ModuleList([nn.Linear(1, 1), nn.ModuleDict({"a": nn.ReLU()})]))
+    [Linear(in_features=1, out_features=1, bias=True), ReLU()]
+    """
+    if runs_itself(module) or not module._modules:
+        return [module]
+    return [m for child in module.children() for m in _run(child)]
+
+
 def _validate_depth(depth: object, n: int, model_name: str) -> int | None:
     if depth is None:
         return None
@@ -297,17 +316,13 @@ def _refuse_a_second_gate(
     again): two plans for one block compose into one nobody wrote. Gates of other blocks of the
     model, or of a module inside it, compose as documented and stay allowed."""
     mine = {id(module) for _, module in points}
-    wrapper = model.__dict__.get("forward")
-    while isinstance(wrapper, _InstanceForward):
-        if isinstance(wrapper, ForwardGuard) and wrapper.live:
-            gate = getattr(wrapper.enter.function, "__self__", None)
-            if (
-                isinstance(gate, BackpropGate)
-                and gate.active
-                and any(id(module) in mine for _, module in gate._points)
-            ):
-                _already_gated(model, gate, depth)
-        wrapper = wrapper.previous
+    for gate in guard_owners(model):
+        if (
+            isinstance(gate, BackpropGate)
+            and gate.active
+            and any(id(module) in mine for _, module in gate._points)
+        ):
+            _already_gated(model, gate, depth)
 
 
 def _already_gated(model: nn.Module, gate: BackpropGate, depth: object) -> None:
@@ -348,3 +363,57 @@ def _refuse_one_position(value: object) -> None:
         f"run with no graph). To skip block {index}, write gate.skip = {{{index}}}; "
         "gate.skip = None skips none."
     )
+
+
+# -- what the layers above may know of a gate (none of them reads its fields) ----------------
+def gates_on(model: nn.Module) -> list[_Cut]:
+    """The live gates on ``model`` and on the modules inside it, outermost first.
+
+    >>> import torch, gradgate as gg
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> gate = gg.BackpropGate(net, depth=1)
+    >>> gates_on(net) == [gate]
+    True
+    >>> gate.remove(); gates_on(net)
+    []
+    """
+    return [
+        owner
+        for module in model.modules()
+        for owner in guard_owners(module)
+        if isinstance(owner, _Cut) and owner.active
+    ]
+
+
+def gated_model(gate: _Cut) -> nn.Module:
+    """The module ``gate`` was made on."""
+    return gate._model
+
+
+def gate_points(gate: _Cut) -> list[tuple[str, nn.Module]]:
+    """The blocks ``gate`` plans over, ``(name, module)`` in order."""
+    return list(gate._points)
+
+
+def gate_parts(gate: object) -> tuple[nn.Module, list[tuple[str, nn.Module]]] | None:
+    """The model and the blocks of a gradgate gate; ``None`` for anything else."""
+    if not isinstance(gate, _Cut):
+        return None
+    return gate._model, list(gate._points)
+
+
+def named_learner_ids(gate: _Cut) -> frozenset[int]:
+    """The ids of the parameters of the modules the plan names in ``learn`` (not blocks)."""
+    return gate._keep
+
+
+def learner_ids(model: nn.Module) -> set[int] | None:
+    """The ids of the parameters of ``model`` that the plans of the gates on it (or inside it)
+    let learn, ``requires_grad`` aside (``None``: no plan restricts any); see
+    :func:`gradgate._cut.plans.plan_learners`."""
+    return learners_under_every_gate(model)
+
+
+def forward_count(gate: object) -> int | None:
+    """How many forwards of the gated model ran so far (``None`` for what is not a gate)."""
+    return gate._forwards if isinstance(gate, _Cut) else None

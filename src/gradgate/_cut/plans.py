@@ -12,8 +12,12 @@ And :class:`PlanKey`, the plan as integers that every rank can compare
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 from torch import nn
+
+from .._plumbing.hooks import guard_owners
+from .stacks import runs_before
 
 
 def first_opener(learn: Collection[int] | None, skip: Collection[int], n: int) -> int:
@@ -132,3 +136,103 @@ class PlanKey:
             self._extra = extra
         blocks = (-1,) if learn is None else tuple(sorted(learn))
         return (*blocks, -2, *sorted(skip), -3, *self._extra_key)
+
+
+def plan_learners(gate: Any) -> set[int] | None:
+    """The ids of the parameters of the gated model that a gate's plan lets learn, whatever
+    their ``requires_grad`` (``None``: no plan, every parameter may learn).
+
+    The plan's rules, read off the mechanism (see ``cut_blocks``): a block learns if the plan
+    names it (``depth`` or ``learn``) and does not skip it; a module named in ``learn`` learns;
+    an embedding, norm or head around the blocks learns if it runs after the cut opens (under
+    a depth), and under a learning set only once the last stack has started (else it is frozen
+    for its call; a tied parameter is not). Where each of those runs is what the gate saw
+    (see ``Stacks.runs_after``). Parameters held by the model itself or by the containers of
+    the blocks are counted as learning: the plan cannot tell where the forward uses them (most
+    are used after the blocks, as CLIP's ``logit_scale``). A parameter used in several modules
+    learns if one of its uses does.
+    """
+    learn, skip, extra = gate._learn, gate._skip, gate._extra
+    if learn is None and not skip:
+        return None
+    stacks, points = gate._stacks, gate._points
+    n = len(points)
+    named = {id(m) for module in extra for m in module.modules()}
+    first = first_opener(learn, skip, n)
+    opens = _opening_time(gate, first, named)
+    last_start = stacks.last_stack_start()
+    names = {id(m): name for name, m in gate._model.named_modules()}
+    found: set[int] = set()
+    for module in gate._model.modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        if not params or all(id(p) in found for p in params):
+            continue
+        kind, index = stacks.unit_of(module)
+        if kind == "block":
+            learns = index not in skip and (learn is None or index in learn or id(module) in named)
+        elif kind == "outside":
+            learns = learn is None or id(module) in named
+            if not learns:
+                after = stacks.runs_after(index)
+                if after + 0.5 > opens or (first == n and after == n - 1):
+                    learns = isinstance(learn, range) or after >= last_start
+                    if not learns:  # frozen for its call, but for the tied parameters
+                        found.update(id(p) for p in params if id(p) in gate._shared_ids)
+                elif _opened_inside(gate, module, index, names, opens):
+                    learns = True
+        else:
+            learns = True
+        if learns:
+            found.update(id(p) for p in params)
+    return found
+
+
+def learners_under_every_gate(model: nn.Module) -> set[int] | None:
+    """The ids of the parameters of ``model`` that the plans of all the gates on it (and on
+    modules inside it) let learn, whatever their ``requires_grad``; ``None``: no plan restricts.
+    Nested gates: a parameter learns only where every gate around it lets it."""
+    found: set[int] | None = None
+    for module in model.modules():
+        for gate in guard_owners(module):
+            if not getattr(gate, "active", False) or not hasattr(gate, "_stacks"):
+                continue
+            learners = plan_learners(gate)
+            if learners is None:
+                continue
+            if found is None:
+                found = {id(p) for p in model.parameters()}
+            found -= {id(p) for p in gate._model.parameters()} - learners
+    return found
+
+
+def _opening_time(gate: Any, first: int, named: set[int]) -> float:
+    """When the cut opens for good: at the first learning block (its position), at a block
+    holding a named module, or at a named module around the blocks (half a step after the
+    block before it); infinity when none of these runs."""
+    times: list[float] = [float(first)] if first < len(gate._points) else []
+    times += [float(p) for p in gate._extra_blocks if p not in gate._skip]
+    stacks = gate._stacks
+    for index, module in enumerate(stacks.outside):
+        if any(id(m) in named for m in module.modules()):
+            times.append(stacks.runs_after(index) + 0.5)
+    return min(times, default=float("inf"))
+
+
+def _opened_inside(
+    gate: Any, module: nn.Module, index: int, names: dict[int, str], opens: float
+) -> bool:
+    """Whether ``module`` lies inside an outside module after a named module in it that opened
+    the cut there: it runs with grad on, unfrozen (where its parent's forward calls it after
+    the named one, see ``stacks.runs_before``). The outside module's own parameters are taken
+    to be used after its submodules (ViT's ``cls_token`` after its patch embedding)."""
+    stacks = gate._stacks
+    outer = stacks.outside[index]
+    if stacks.runs_after(index) + 0.5 != opens:
+        return False
+    inside = {id(m) for m in outer.modules()}
+    mine = names.get(id(module), "")
+    return any(
+        id(named) in inside
+        and (module is outer or runs_before(gate._model, names.get(id(named), ""), mine))
+        for named in gate._extra
+    )

@@ -8,6 +8,10 @@ a stack that LayerDrop skipped entirely, and to refuse stacks listed against the
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+
 from torch import nn
 
 from .._plumbing.errors import BlockCallError
@@ -37,7 +41,12 @@ class Stacks:
         self._before: dict[int, set[int]] = {}
         self.after_some: set[int] = set()  # outside modules seen after some stack
         self.seen_all = False  # a forward ran every stack: what runs after each is known
-        self._learned: tuple[list[int], list[tuple[int, int]]] | None = None  # the last run
+        self._learned: tuple[list[int], list[tuple[int, int, int]]] | None = None  # the last run
+        # per outside module: the last block that ran before it, in forwards that ran every
+        # block (exact), and in forwards that skipped some (LayerDrop: a lower bound)
+        self._ran_after: dict[int, int] = {}
+        self._ran_after_some: dict[int, int] = {}
+        self._placed: list[int] | None = None  # the same, guessed from the model's structure
 
     def start(self, frame: Frame, position: int, *, planned: bool) -> None:
         """The first block of a stack runs in this forward: stacks run in their listed order."""
@@ -99,9 +108,32 @@ class Stacks:
         for order, stack in enumerate(frame.stacks_ran):
             after = self._after.setdefault(stack, set())
             before = self._before.setdefault(stack, set())
-            for index, stacks_ran in frame.outside_calls:
+            for index, stacks_ran, _ in frame.outside_calls:
                 (after if order < stacks_ran else before).add(index)
             self.after_some |= after
+        ran_after = self._ran_after if len(frame.ran) == len(self.of) else self._ran_after_some
+        for index, _, position in frame.outside_calls:
+            ran_after[index] = max(position, ran_after.get(index, -1))
+
+    def runs_after(self, index: int) -> int:
+        """The last block position that runs before outside module ``index`` (its last call;
+        -1: before every block): as seen in a forward that ran every block, else guessed from
+        the model's structure (see :func:`placement`), raised to what forwards that skipped
+        blocks showed."""
+        if index in self._ran_after:
+            return self._ran_after[index]
+        if self._placed is None:
+            self._placed = placement(self._model, self._points, self.outside)
+        return max(self._placed[index], self._ran_after_some.get(index, -1))
+
+    def unit_of(self, module: nn.Module) -> tuple[str, int]:
+        """``("block", position)``, ``("outside", index)``, or ``("", -1)`` for the model and
+        the containers around the blocks."""
+        return self._owner.get(id(module), ("", -1))
+
+    def last_stack_start(self) -> int:
+        """The position of the first block of the last stack."""
+        return self.of.index(self.of[-1])
 
     def _patterns(self, order: list[int]) -> list[str]:
         patterns: list[str] = []
@@ -112,6 +144,129 @@ class Stacks:
             whole = names == [f"{container}.{child}" for child, _ in children]
             patterns += [f"{container}.*"] if container and whole else names
         return patterns
+
+
+def placement(
+    model: nn.Module, points: list[tuple[str, nn.Module]], outside: list[nn.Module]
+) -> list[int]:
+    """Per outside module, the block after which it is taken to run before a forward shows it:
+    registration order where it shares a parent with the blocks' stacks. An embedding
+    registered before the container of its stack runs before the stack's first block (-1 for
+    the first stack: before every block); a final norm or a head registered after the
+    containers runs after the last block of the latest-listed stack before it.
+
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.embed, self.layers = nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)] * 2)
+    ...         self.head = nn.Linear(2, 2)
+    >>> net = Net()
+    >>> placement(net, [("layers.0", net.layers[0]), ("layers.1", net.layers[1])],
+    ...           [net.embed, net.head])
+    [-1, 1]
+    """
+    names = {id(m): name for name, m in model.named_modules()}
+    containers = [name.rpartition(".")[0] for name, _ in points]
+    found = []
+    for module in outside:
+        name = names.get(id(module), "")
+        parent = name
+        while parent:  # the deepest ancestor holding a stack
+            parent = parent.rpartition(".")[0]
+            under = [p for p, c in enumerate(containers) if _within(c, parent)]
+            if under:
+                break
+        else:
+            under = list(range(len(points)))
+        found.append(_placed(model, parent, name, under, containers, points))
+    return found
+
+
+def _within(name: str, parent: str) -> bool:
+    return not parent or name == parent or name.startswith(f"{parent}.")
+
+
+def _branch(parent: str, name: str) -> str:
+    """The child of ``parent`` on the way to ``name``."""
+    rest = name[len(parent) + 1 :] if parent else name
+    return rest.split(".")[0]
+
+
+def _placed(
+    model: nn.Module,
+    parent: str,
+    name: str,
+    under: list[int],
+    containers: list[str],
+    points: list[tuple[str, nn.Module]],
+) -> int:
+    order = _call_order(model.get_submodule(parent))
+    mine = order.get(_branch(parent, name), -1)
+    before = [
+        p
+        for p in under
+        if order.get(
+            _branch(parent, points[p][0] if containers[p] == parent else containers[p]), -1
+        )
+        < mine
+    ]
+    return max(before) if before else min(under) - 1
+
+
+def runs_before(model: nn.Module, first: str, second: str) -> bool:
+    """Whether module ``first`` is taken to run before ``second`` (both named in ``model``):
+    where the forward of their closest common ancestor calls them (see ``_call_order``). An
+    ancestor of the other runs around it: neither before.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    >>> runs_before(net, "0", "1.1"), runs_before(net, "1.1", "0"), runs_before(net, "1", "1.0")
+    (True, False, False)
+    """
+    a, b = first.split("."), second.split(".")
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    if common == len(a) or common == len(b):
+        return False
+    order = _call_order(model.get_submodule(".".join(a[:common])))
+    return order.get(a[common], -1) < order.get(b[common], -1)
+
+
+def _call_order(parent: nn.Module) -> dict[str, int]:
+    """The order in which ``parent``'s forward names its children (``self.<child>``), the
+    children it does not name after them in registration order: a module registered after the
+    blocks and used before them (BART's ``layernorm_embedding``) is placed where it runs."""
+    children = [name for name, _ in parent.named_children()]
+    source = _forward_source(type(parent))  # type: ignore[arg-type]
+    found = {}
+    for child in children:
+        match = re.search(rf"self\.{re.escape(child)}\b", source)
+        found[child] = match.start() if match else -1
+    late = len(source) + 1
+    ranked = sorted(children, key=lambda c: (late if found[c] < 0 else found[c], children.index(c)))
+    return {child: i for i, child in enumerate(ranked)}
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_source(kind: type) -> str:
+    """The source of ``kind.forward`` with the methods it calls on ``self`` written out where
+    they are called (CLIP's ``get_image_features`` runs the vision tower and its projection)."""
+    return _expanded(kind, "forward", set())
+
+
+def _expanded(kind: type, method: str, seen: set[str]) -> str:
+    seen.add(method)
+    try:
+        source = inspect.getsource(getattr(kind, method))
+    except (OSError, TypeError, AttributeError):  # no source (compiled, built in)
+        return ""
+    parts = re.split(r"(self\.\w+\()", source)
+    for i in range(1, len(parts), 2):
+        called = parts[i][len("self.") : -1]
+        own = callable(getattr(kind, called, None)) and not hasattr(nn.Module, called)
+        if own and called not in seen and len(seen) < 16:
+            parts[i] += _expanded(kind, called, seen)
+    return "".join(parts)
 
 
 def listed_members(

@@ -167,6 +167,12 @@ class PrefixCacheWarning(GradgateWarning):
     """A prefix cache cannot be exact here (a stochastic prefix), or cannot serve a cut."""
 
 
+class MissingGradientWarning(GradgateWarning):
+    """A parameter the plan says learns got no gradient in a backward, though the gradient
+    reached its module (or would have, but for a ``detach``, reentrant checkpointing or a
+    ``requires_grad`` changed after the forward); the message names the module and the cause."""
+
+
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, (GradgateError, GradgateWarning)):
         _cls.__module__ = "gradgate"  # shown as gradgate.X in tracebacks and docs

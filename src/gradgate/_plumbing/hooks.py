@@ -159,6 +159,21 @@ class ForwardGuard(_InstanceForward):
             wrapper.install()
 
 
+def guard_owners(module: nn.Module) -> list[Any]:
+    """What installed each live :class:`ForwardGuard` on ``module`` (its gates), outermost first.
+
+    >>> guard_owners(nn.Linear(2, 2))
+    []
+    """
+    found: list[Any] = []
+    wrapper = module.__dict__.get("forward")
+    while isinstance(wrapper, _InstanceForward):
+        if isinstance(wrapper, ForwardGuard) and wrapper.live:
+            found.append(getattr(wrapper.enter.function, "__self__", None))
+        wrapper = wrapper.previous
+    return [owner for owner in found if owner is not None]
+
+
 class HookedForward(_InstanceForward):
     """A module's gate hooks, run around its ``forward`` instead of as module hooks.
 

@@ -438,3 +438,9 @@ def grouped_mm_refuses(dtype: torch.dtype) -> bool:
         except RuntimeError:
             return True
     return False
+
+
+def sequential_parts(scheduler: Any) -> tuple[list[Any], list[int]] | None:
+    """``SequentialLR``'s schedulers and milestones (private fields); ``None`` where absent."""
+    parts = vars(scheduler).get("_schedulers"), vars(scheduler).get("_milestones")
+    return None if None in parts else (list(parts[0]), list(parts[1]))

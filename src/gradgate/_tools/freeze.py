@@ -31,6 +31,7 @@ from .._plumbing.handles import Handle
 from .._plumbing.validate import check_choice
 from .._select.names import Pattern, _match, check_module, check_patterns
 from .optimizer import add_missing_near, refuse_foreign, remove_groups
+from .schedulers import follow_groups, forget_groups, schedulers_option
 from .tied import warn_tied_outside
 
 NormMode = Literal["keep", "eval"]
@@ -243,6 +244,7 @@ class UnfreezeHandle(_LayerHandle):
         self._optimizer: torch.optim.Optimizer | None = None
         self._added: list[dict[str, Any]] = []
         self._added_names: list[str] = []
+        self._schedulers: list[Any] = []  # they follow the groups added, until the undo
 
     @property
     def parameters(self) -> list[str]:
@@ -259,6 +261,9 @@ class UnfreezeHandle(_LayerHandle):
     def _restore(self) -> None:
         super()._restore()
         if self._optimizer is not None:
+            groups = self._optimizer.param_groups
+            indices = [i for i, g in enumerate(groups) if any(g is a for a in self._added)]
+            forget_groups(self._schedulers, indices)
             remove_groups(self._optimizer, self._added)
 
 
@@ -328,7 +333,10 @@ def frozen(model: nn.Module, *patterns: Pattern, norm: NormMode = "keep") -> Fre
 
 
 def unfreeze(
-    model: nn.Module, *patterns: Pattern, optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module,
+    *patterns: Pattern,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
 ) -> UnfreezeHandle:
     """Make the matched parameters learn again; returns a handle that undoes exactly that.
 
@@ -337,9 +345,11 @@ def unfreeze(
     gives back the flags from before either. With ``optimizer=``, matched parameters the
     optimizer does not hold are added to it, in a new param group with the options of the
     group their module's other parameters use (else the optimizer's defaults), so they really
-    train; undoing the handle takes those groups (and their state) out again. A learning-rate
-    scheduler created before does not schedule a group added later. An optimizer that holds
-    none of the model's parameters (another model's, a stale copy's) is refused.
+    train; undoing the handle takes those groups (and their state) out again. ``scheduler``
+    (a torch LR scheduler of that optimizer, or several) follows the groups added, from the
+    current step (see :func:`gradgate.optim.add_missing`), and forgets them at the undo. An
+    optimizer that holds none of the model's parameters (another model's, a stale copy's) is
+    refused.
 
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
@@ -357,6 +367,12 @@ def unfreeze(
     patterns = check_patterns("unfreeze", patterns, model=model)
     if optimizer is not None:
         refuse_foreign(model, optimizer)
+    following = [] if optimizer is None else schedulers_option(scheduler, optimizer)
+    if scheduler is not None and optimizer is None:
+        raise InvalidOptionError(
+            f"unfreeze(scheduler={scheduler!r:.60}) without optimizer=; expected both: the "
+            "scheduler follows the groups added to the optimizer."
+        )
     modules, params = _matched(model, patterns)
     locations = _locations(model)
     handle = UnfreezeHandle(_describe("unfreeze", patterns))
@@ -366,7 +382,9 @@ def unfreeze(
         handle._hold_norm(module, locked=False)
     if optimizer is not None:
         handle._optimizer = optimizer
-        handle._added, handle._added_names = add_missing_near(model, optimizer, params)
+        handle._added, handle._added_names, like = add_missing_near(model, optimizer, params)
+        handle._schedulers = following
+        follow_groups(following, handle._added, like=like)
     return handle
 
 

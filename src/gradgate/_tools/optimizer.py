@@ -42,9 +42,10 @@ def remove_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
 
 def add_missing_near(
     model: nn.Module, optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any] | None]]:
     """Add the parameters the optimizer lacks, grouped like their module's other parameters
-    (``unfreeze(optimizer=)``); returns the groups added and the names in them."""
+    (``unfreeze(optimizer=)``); returns the groups added, the names in them, and the group
+    each copied its options from (``None``: the optimizer's defaults)."""
     group_of = held(optimizer)
     new_groups: dict[int, tuple[dict[str, Any] | None, list[tuple[str, nn.Parameter]]]] = {}
     for name, param in params:
@@ -54,7 +55,8 @@ def add_missing_near(
     added = [
         add_group(optimizer, members, sibling or {}) for sibling, members in new_groups.values()
     ]
-    return added, [name for _, members in new_groups.values() for name, _ in members]
+    names = [name for _, members in new_groups.values() for name, _ in members]
+    return added, names, [sibling for sibling, _ in new_groups.values()]
 
 
 def _sibling_group(

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._cut.gate import BackpropGate
+from .._cut.gate import BackpropGate, gate_points, gated_model
 from .._plumbing.errors import AlreadyGatedError, InvalidOptionError, MissingExtraError
 from .._select.names import Pattern
+from .._tools.learning import Learning, learning
 from ..optim import drop_finished
 from ..schedules import Plan, Schedule
+from ._metrics import StepMetrics
 
 __all__: list[str] = []
-
-PREFIX = "gradgate/"
 _FRAMEWORKS = ("deepspeed", "lightning", "transformers")
 
 
@@ -61,6 +61,7 @@ class Driver:
         blocks: Sequence[Pattern] | str | None,
         log: bool,
         drop_state: bool,
+        grad_norms: bool = False,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise InvalidOptionError(
@@ -72,7 +73,7 @@ class Driver:
                 f"gate={gate!r}; expected a gradgate.BackpropGate or None (the callback then "
                 "gates the trainer's model)."
             )
-        for option, value in (("log", log), ("drop_state", drop_state)):
+        for option, value in (("log", log), ("drop_state", drop_state), ("grad_norms", grad_norms)):
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{option}={value!r}; expected True or False.")
         self.schedule = schedule
@@ -87,11 +88,12 @@ class Driver:
         self.dropped_modules: frozenset[str] = frozenset()
         self.hold_frozen = False  # freeze non-learning blocks for the whole step (checkpointing)
         self._held: list[nn.Parameter] = []
+        self.metrics = StepMetrics(grad_norms=grad_norms)  # what both callbacks log
 
     def attach(self, model: nn.Module) -> None:
         """Gate ``model`` unless a gate was given (or made already)."""
         if self.gate is not None and self.gate.active:
-            _require_same_model(self.gate._model, model)
+            _require_same_model(gated_model(self.gate), model)
         if self.gate is None or not self.gate.active:
             try:
                 self.gate = BackpropGate(model, self.blocks)
@@ -107,10 +109,25 @@ class Driver:
         if step != self.step or self.plan is None:
             self.plan = self.schedule.apply(self.gate, step)
             self.step = step
-            self._hold(self.plan)
+            self._release()  # what the last step held frozen learns again if the plan says so
+            learns = self.metrics.planned(self.gate)
+            self._hold(learns)
         return self.plan
 
-    def _hold(self, plan: Plan) -> None:
+    def learning(self) -> Learning:
+        """What learns in the gated model now (its plan, its freezing)."""
+        assert self.gate is not None, "attach() first"
+        return learning(gated_model(self.gate))
+
+    def preview(self, step: int) -> None:
+        """Set the plan of ``step`` on the gate without moving the schedule on (for a summary
+        shown before training: the first step sets it again, the schedule's way)."""
+        assert self.gate is not None, "attach() first"
+        if self.plan is None:
+            self.schedule._bind(self.gate)
+            self.schedule.plan(step).apply(self.gate)
+
+    def _hold(self, learns: Learning) -> None:
         """With activation checkpointing, keep the non-learning blocks frozen for the step.
 
         The gate freezes a non-learning block only while it runs; checkpointing recomputes the
@@ -118,20 +135,11 @@ class Driver:
         grad again and the recomputed graph would differ from the saved one (CheckpointError).
         Frozen for the whole step, the recomputation sees what the forward saw.
         """
-        self._release()
         if not self.hold_frozen or self.gate is None:
             return
-        points = self.gate._points
-        learning = plan.learning(len(points))
-        in_blocks = {id(p) for _, m in points for p in m.parameters()}
-        needed = {id(p) for p in self.gate._model.parameters() if id(p) not in in_blocks}
-        needed |= {id(p) for i in learning for p in points[i][1].parameters()}
-        needed |= self.gate._keep  # modules named in the plan that lie inside blocks
-        for position, (_, module) in enumerate(points):
-            if position in learning:
-                continue
+        for _, module in gate_points(self.gate):
             for param in module.parameters():
-                if param.requires_grad and id(param) not in needed:
+                if param.requires_grad and not learns.learns(param):
                     param.requires_grad_(False)
                     self._held.append(param)
 
@@ -143,7 +151,8 @@ class Driver:
     def observe(self) -> None:
         """Let the schedule read this step's gradients (after backward, before the step)."""
         if self.gate is not None and self.plan is not None:
-            self.schedule.observe(self.gate._model)
+            self.schedule.observe(gated_model(self.gate))
+            self.metrics.observed(self.gate)
 
     def end_step(self, optimizers: Iterable[Any], next_step: int) -> None:
         """Drop the state of the blocks (and modules) the schedule rests from ``next_step`` on."""
@@ -159,13 +168,11 @@ class Driver:
                 drop_finished(inner, self.gate, self.schedule, next_step)
         self.dropped, self.dropped_modules = finished, modules
 
-    def metrics(self) -> dict[str, float]:
-        """The current plan's numbers (and the schedule's, such as Importance's scores and
-        pick counts), named ``gradgate/...``."""
-        if self.plan is None or self.gate is None:
+    def logged(self) -> dict[str, float]:
+        """What the callbacks log for the current step (see ``_metrics``), ``gradgate/...``."""
+        if self.gate is None or self.plan is None:
             return {}
-        found = self.schedule.metrics(self.plan, len(self.gate.blocks))
-        return {f"{PREFIX}{key}": float(value) for key, value in found.items()}
+        return self.metrics.logged(self.schedule, self.plan, self.gate)
 
     def detach(self) -> None:
         """Give back the parameters held frozen; remove the gate if this driver made it."""
@@ -175,6 +182,7 @@ class Driver:
             self.gate = None
             self.owns_gate = False
         self.step = self.plan = None
+        self.metrics.clear()
 
 
 def cache_gate(cache: Any, gate: BackpropGate | None) -> BackpropGate | None:

@@ -24,6 +24,7 @@ from . import Driver, cache_gate, require
 require("transformers", "transformers")
 
 from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 from .._cut.gate import BackpropGate  # noqa: E402
 from .._cut.prefix_cache import PrefixCache  # noqa: E402
@@ -44,12 +45,18 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     ``gate`` the callback gates the trainer's model (``blocks`` as for ``BackpropGate``) when
     training begins and removes that gate when it ends. ``on_pre_optimizer_step`` (after the
     gradients are accumulated, unscaled and clipped) calls ``schedule.observe(model)``, which
-    :class:`gradgate.schedules.Importance` scores modules by. ``on_log`` adds
-    ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
-    ``gradgate/skipped_blocks`` and ``gradgate/learning_share`` to the logs (Importance:
+    :class:`gradgate.schedules.Importance` scores modules by. ``on_log`` (the Trainer's
+    ``logging_steps``) adds the step's numbers to the logs, the same keys as the Lightning
+    callback's: ``gradgate/depth`` (for depth plans), ``gradgate/learning_blocks``,
+    ``gradgate/skipped_blocks``, ``gradgate/learning_share``, ``gradgate/learning_parameters``,
+    ``gradgate/learns/<block>`` for each block that learns (absent, not 0, for one that does
+    not), with ``grad_norms=True`` ``gradgate/grad_norm/<block>`` (Importance:
     ``gradgate/learning_modules``, ``gradgate/budget_used``, ``gradgate/score/<module>`` and
     ``gradgate/picks/<module>``); reporters registered before this callback (those of
-    ``report_to``) see them only after :meth:`put_first`. ``drop_state=True`` frees the
+    ``report_to``) see them only after :meth:`put_first`. When training begins, the callback
+    logs the number of parameters that learn under the first step's plan under the Trainer's
+    own "Number of trainable parameters", which counts ``requires_grad`` and so ignores the
+    gate (see :func:`gradgate.learning`). ``drop_state=True`` frees the
     optimizer state of blocks the schedule says never learn again (and of the modules
     Importance did not draw for the next step).
 
@@ -90,10 +97,13 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         drop_state: bool = True,
         freeze_for_step: bool | None = None,
         cache: PrefixCache | None = None,
+        grad_norms: bool = False,
     ) -> None:
         gate = cache_gate(cache, gate)
         self._cache = cache
-        self._driver = Driver(schedule, gate, blocks=blocks, log=log, drop_state=drop_state)
+        self._driver = Driver(
+            schedule, gate, blocks=blocks, log=log, drop_state=drop_state, grad_norms=grad_norms
+        )
         if freeze_for_step is not None and not isinstance(freeze_for_step, bool):
             raise InvalidOptionError(
                 f"freeze_for_step={freeze_for_step!r}; expected True, False or None (None: "
@@ -180,6 +190,13 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
         if hold is None:
             hold = _checkpointing(model)
         self._driver.hold_frozen = hold
+        self._driver.begin_step(state.global_step)  # the first step's plan, for the count
+        if state.is_world_process_zero:
+            count = self._driver.learning().count
+            logging.get_logger("transformers.trainer").info(
+                f"  Number of parameters learning under the gradgate plan = {count:,} (the "
+                "trainable count above reads requires_grad and ignores the gate)"
+            )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._driver.begin_step(state.global_step)
@@ -198,7 +215,7 @@ class GateCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if not self._driver.log or logs is None or "loss" not in logs:
             return  # train logs only; evaluation and the final summary carry no plan
-        metrics = self._driver.metrics()
+        metrics = self._driver.logged()  # the step's numbers (see _metrics)
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)  # the Trainer copied logs there just before

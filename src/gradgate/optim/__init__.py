@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._cut.gate import gate_parts, named_learner_ids
 from .._plumbing.errors import InvalidOptionError
 from .._select.names import Pattern, check_module, resolve_blocks
 from .._tools.masters import LearnerMasters
 from .._tools.optimizer import add_group, held
+from .._tools.schedulers import follow_groups, schedulers_option
 from .._tools.sharded import clip_grad_norm_, local
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ def add_missing(
     optimizer: torch.optim.Optimizer,
     model: nn.Module | Iterable[tuple[str, nn.Parameter]],
     *,
+    scheduler: Any = None,
     trainable_only: bool = True,
     **options: Any,
 ) -> list[str]:
@@ -95,6 +98,13 @@ def add_missing(
     ``trainable_only=False`` adds frozen parameters too. Instead of a model, ``(name,
     parameter)`` pairs limit the search (e.g. the parameters one unfreeze matched).
 
+    ``scheduler`` (a torch LR scheduler of ``optimizer``, or several) then follows the new
+    group: its base rate is the group's ``lr`` (OneCycleLR: or its ``max_lr``), and its rate
+    is set to what the schedule gives at the current step, as for a group that was there from
+    the start (LambdaLR, MultiplicativeLR, StepLR, MultiStepLR, ConstantLR, LinearLR,
+    ExponentialLR, PolynomialLR, CosineAnnealingLR, CosineAnnealingWarmRestarts, OneCycleLR,
+    SequentialLR of those, ReduceLROnPlateau; another kind is refused before anything changes).
+
     >>> import torch, gradgate as gg
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     >>> opt = torch.optim.SGD(net[1].parameters(), lr=0.1)
@@ -102,9 +112,21 @@ def add_missing(
     ['0.weight', '0.bias']
     >>> [g["lr"] for g in opt.param_groups]
     [0.1, 0.01]
+
+    With a scheduler, at step 2 of a decay by half per step:
+
+    >>> opt = torch.optim.SGD(net[1].parameters(), lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    >>> for _ in range(2):
+    ...     opt.step(); sched.step()
+    >>> gg.optim.add_missing(opt, net, scheduler=sched, lr=0.01)
+    ['0.weight', '0.bias']
+    >>> [g["lr"] for g in opt.param_groups]
+    [0.025, 0.0025]
     """
     _optimizer(optimizer)
     _group_options(options)
+    following = schedulers_option(scheduler, optimizer)
     named = _named_pairs(model)
     holding = set(held(optimizer))
     missing: list[tuple[str, nn.Parameter]] = []
@@ -113,7 +135,7 @@ def add_missing(
             holding.add(id(param))
             missing.append((name, param))
     if missing:
-        add_group(optimizer, missing, options)
+        follow_groups(following, [add_group(optimizer, missing, options)])
     return [name for name, _ in missing]
 
 
@@ -219,7 +241,7 @@ def drop_finished(
     staying += [p for m in model.modules() if id(m) not in in_blocks for p in m.parameters(False)]
     for param in staying:
         going.pop(id(param), None)
-    for kept in getattr(gate, "_keep", ()):  # named learners inside blocks ("h.*.ln_1")
+    for kept in named_learner_ids(gate):  # named learners inside blocks ("h.*.ln_1")
         going.pop(kept, None)
     going.update((id(p), p) for p in _resting_parameters(model, modules))
     return drop_state(optimizer, going.values())
@@ -288,9 +310,8 @@ def _gate_parts(gate: object, schedule: object) -> tuple[list[tuple[str, nn.Modu
     schedule of the wrong kind before the schedule looks at either."""
     from ..schedules import Schedule
 
-    points = getattr(gate, "_points", None)
-    model = getattr(gate, "_model", None)
-    if points is None or model is None:
+    parts = gate_parts(gate)
+    if parts is None:
         raise InvalidOptionError(
             f"drop_finished(gate={_shown(gate)}): expected the "
             "gradgate.BackpropGate the schedule drives, e.g. gate = gg.BackpropGate(model)."
@@ -301,6 +322,7 @@ def _gate_parts(gate: object, schedule: object) -> tuple[list[tuple[str, nn.Modu
             "the gradgate.schedules schedule that drives the gate, e.g. "
             "gg.schedules.LISA(n, k=2)."
         )
+    model, points = parts
     return points, model
 
 

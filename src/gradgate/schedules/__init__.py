@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+from .._cut.gate import gate_parts
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import (
     check_choice,
@@ -139,9 +140,10 @@ class LISA(Schedule):
     def _bind(self, gate: Any) -> None:
         """Names in ``always`` that are blocks learn as those positions: no draw is spent on
         them, their state is never dropped, and ``Plan.learning`` counts them."""
-        model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
-        if model is None or points is None or self._bound is model:
+        parts = gate_parts(gate)
+        if parts is None or self._bound is parts[0]:
             return
+        model, points = parts
         always = always_as_positions(self.always, model, points)
         pool = [i for i in range(self.n) if i not in always]
         count_option("k", self.k, low=0, high=len(pool))  # before changing anything

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from .._cut.gate import gate_parts
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import check_choice, count_option, learn_items_option
 from ._plan import Plan, Schedule, always_as_positions, sorted_items
@@ -86,9 +87,10 @@ class BAdam(Schedule):
 
     def _bind(self, gate: Any) -> None:
         """Names in ``always`` that are blocks learn as those positions and leave the rotation."""
-        model, points = getattr(gate, "_model", None), getattr(gate, "_points", None)
-        if model is None or points is None or self._bound is model:
+        parts = gate_parts(gate)
+        if parts is None or self._bound is parts[0]:
             return
+        model, points = parts
         always = always_as_positions(self.always, model, points)
         rotation = _rotation(self.n, always)  # refuses before changing anything
         self._always, self._rotation, self._bound = frozenset(always), rotation, model

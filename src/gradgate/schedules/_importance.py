@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._cut.gate import forward_count, gate_points, gated_model
 from .._plumbing.errors import InvalidOptionError, NoBackwardWarning, warn
 from .._plumbing.validate import (
     count_option,
@@ -156,7 +157,7 @@ class Importance(Schedule):
     def _check_observed(self, gate: Gate) -> None:
         """A window starts: warn (once) if the last one trained with no observe(), which
         leaves the scores where they were (``None`` at first: the draw stays uniform)."""
-        forwards = getattr(gate, "_forwards", None)  # the gated model's forwards so far
+        forwards = forward_count(gate)  # the gated model's forwards so far
         trained = forwards is None or forwards != self._window_forwards
         last, self._window_forwards = self._window, forwards
         observed, self._observed = self._observed, False
@@ -325,14 +326,15 @@ class Importance(Schedule):
         """Any number of blocks: the candidates are resolved on the gated model."""
 
     def _bind(self, gate: Any) -> None:
-        model = gate._model
+        model = gated_model(gate)
         if model is self._model:
             return
-        names, params, positions, inside = resolve(model, gate._points, self.modules)
+        points = gate_points(gate)
+        names, params, positions, inside = resolve(model, points, self.modules)
         sizes = [sum(p.numel() for p in group) for group in params]
         check_budget(names, sizes, self.budget)
         check_known(set(names), self._ema, self._drawn)
-        self._model, self.n = model, len(gate._points)
+        self._model, self.n = model, len(points)
         self._names, self._params, self._sizes = names, params, sizes
         self._positions, self._inside = positions, inside
         for name in names:

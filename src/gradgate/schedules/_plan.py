@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from .._cut.gate import BackpropGate
+from .._cut.gate import BackpropGate, gate_points, gated_model
 from .._cut.stacks import outside_modules
 from .._plumbing.errors import InvalidOptionError
 from .._plumbing.validate import count_option, integer_option
@@ -251,11 +251,11 @@ def require_gate(gate: object, owner: str, call: str = "sched.apply(gate, step)"
 def around_blocks(gate: Any) -> frozenset[str]:
     """Names of the modules with parameters around a gate's blocks (embeddings, final norms,
     heads): what LISA trains at every step besides its drawn blocks."""
-    model: nn.Module = gate._model
+    model = gated_model(gate)
     names = {id(module): name for name, module in model.named_modules()}
     return frozenset(
         names[id(module)]
-        for module in outside_modules(model, gate._points)
+        for module in outside_modules(model, gate_points(gate))
         if id(module) in names and any(True for _ in module.parameters())
     )
 

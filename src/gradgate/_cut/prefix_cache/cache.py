@@ -311,7 +311,7 @@ class PrefixCache(Handle):
         state = run.state
         if state.modules is None:  # the first store at this cut: its prefix is what ran before
             frame = self.gate._own_frame()
-            outside = {index for index, _ in frame.outside_calls} if frame else set()
+            outside = {call[0] for call in frame.outside_calls} if frame else set()
             positions = set(range(min(state.position, len(self.gate._points))))
             state.modules, state.names = prefix_modules(self.gate, positions, outside)
             self._watched.update(id(m) for m in state.modules)
