@@ -106,6 +106,9 @@ MODEL_FUNCTIONS: list[tuple[str, Callable[[Any, Ctx], Any], str | None]] = [
     ("optim.param_groups", lambda m, c: gg.optim.param_groups(m, lr=0.1), None),
     ("optim.add_missing", lambda m, c: gg.optim.add_missing(c.optimizer, m), None),
     ("distributed.allreduce_trained", lambda m, c: gg.distributed.allreduce_trained(m), None),
+    ("learning", lambda m, c: gg.learning(m), None),
+    ("learn_rows", lambda m, c: gg.learn_rows(m, "head", rows=[0]), None),
+    ("PrefixCache", lambda m, c: gg.PrefixCache(m), None),  # takes a gate, not a model
 ]
 
 
@@ -514,6 +517,8 @@ def test_every_public_callable_has_a_bad_input_case() -> None:
         "CaptureHandle",
         "Finding",
         "FreezeHandle",
+        "Learning",
+        "RowsHandle",
         "Graph",
         "GradStore",
         "TransformHandle",

@@ -98,7 +98,8 @@ class PrefixCache(Handle):
     ) -> None:
         if not isinstance(gate, BackpropGate) or not gate.active:
             raise InvalidOptionError(
-                f"gate={gate!r:.80}; expected a live gg.BackpropGate: the cache skips the blocks "
+                f"gate={gate!r:.80} (a {type(gate).__name__}); expected a live "
+                "gg.BackpropGate: the cache skips the blocks "
                 "before its cut, e.g. gg.PrefixCache(gg.BackpropGate(model, depth=1))."
             )
         check_choice("store", store, get_args(StoreKind))
