@@ -33,7 +33,8 @@ from gradgate._plumbing.autograd import (
     walk,
 )
 from gradgate._plumbing.tagging import ModuleTagger
-from gradgate._plumbing.torch_internals import PYTREE_DEREGISTER, knows_saved_tensors_hooks
+from gradgate._plumbing.torch_internals import knows_saved_tensors_hooks
+from gradgate._plumbing.torch_internals.trees import PYTREE_DEREGISTER
 
 
 def test_walk_visits_each_node_once_depth_first() -> None:

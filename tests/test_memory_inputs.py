@@ -179,11 +179,11 @@ def test_a_program_that_froze_objects_keeps_them_frozen(monkeypatch: pytest.Monk
 def test_without_torch_s_mode_switch_integers_stay_fake(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback where torch cannot run an op below its modes: every tensor stays fake, and
     transformers builds the causal mask a real unpadded run skips (a little high, never low)."""
-    from gradgate._plumbing import torch_internals as internals
+    from gradgate._plumbing.torch_internals import planner
 
     model, batch, _ = llama()
     exact = gg.estimate(model, **batch, depths=[3])[3]
-    monkeypatch.setattr(internals, "DISABLE_MODES", None)
+    monkeypatch.setattr(planner, "DISABLE_MODES", None)
     fallback = gg.estimate(model, **batch, depths=[3])[3]
     mask = 2 * 12 * 12 * 4  # (batch, 1, seq, seq) float32, saved by each learning layer
     assert fallback.saved_bytes == exact.saved_bytes + 3 * mask

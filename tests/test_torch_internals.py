@@ -17,6 +17,7 @@ from torch import nn
 import gradgate as gg
 from gradgate._plumbing import torch_internals as internals
 from gradgate._plumbing.autograd import StorageBytes, observe_saved
+from gradgate._plumbing.torch_internals import planner, trees
 
 
 def _plain_grads(model: nn.Module, loss_fn: Any, batch: Any) -> dict[str, torch.Tensor]:
@@ -42,7 +43,7 @@ class Pair(NamedTuple):
 
 
 def test_pytree_fallback_rebuilds_every_container(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(internals, "PYTREE", None)
+    monkeypatch.setattr(trees, "PYTREE", None)
     t = [torch.ones(1) * i for i in range(5)]
     value = (
         t[0],
@@ -50,9 +51,9 @@ def test_pytree_fallback_rebuilds_every_container(monkeypatch: pytest.MonkeyPatc
         Pair(t[3], None),
         collections.OrderedDict(z=t[4]),
     )
-    leaves, spec = internals.tree_flatten(value)
+    leaves, spec = trees.tree_flatten(value)
     assert [leaf is v for leaf, v in zip(leaves, [*t[:3], "text", t[3], None, t[4]], strict=True)]
-    doubled = internals.tree_unflatten(
+    doubled = trees.tree_unflatten(
         [x * 2 if isinstance(x, torch.Tensor) else x for x in leaves], spec
     )
     assert type(doubled[2]) is Pair and type(doubled[3]) is collections.OrderedDict
@@ -61,7 +62,7 @@ def test_pytree_fallback_rebuilds_every_container(monkeypatch: pytest.MonkeyPatc
 
 
 def test_pytree_fallback_gate_and_capture_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(internals, "PYTREE", None)
+    monkeypatch.setattr(trees, "PYTREE", None)
     model, batch, loss_fn = models.gpt2(layers=3)  # dict batch, ModelOutput outputs
     want = _plain_grads(model, loss_fn, batch)
     with gg.BackpropGate(model) as gate, gg.capture_grads(model, "transformer.h.2") as captured:
@@ -352,7 +353,7 @@ def test_estimate_without_fake_tensors_is_a_torch_version_error(
 ) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     gg.estimate(model, torch.randn(2, 4))  # this torch has them
-    monkeypatch.setattr(internals, "FAKE_TENSOR", "torch._no_fake_tensors_here")
+    monkeypatch.setattr(planner, "FAKE_TENSOR", "torch._no_fake_tensors_here")
     with pytest.raises(
         gg.TorchVersionError, match=r"gg\.estimate needs torch 2\.6.*FakeTensorMode"
     ):
@@ -364,7 +365,7 @@ def test_estimate_uses_the_pytree_fallback_with_the_same_rows(
 ) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     expected = gg.estimate(model, torch.randn(2, 4)).to_json()
-    monkeypatch.setattr(internals, "PYTREE", None)
+    monkeypatch.setattr(trees, "PYTREE", None)
     assert gg.estimate(model, torch.randn(2, 4)).to_json() == expected
 
 

@@ -27,17 +27,17 @@ from typing import Any
 
 import torch
 
-from .._plumbing import torch_internals as internals
-from .._plumbing.torch_internals import (
+from .._plumbing.torch_internals import TorchDispatchMode
+from .._plumbing.torch_internals import planner as planner_internals
+from .._plumbing.torch_internals.planner import (
     GROUPED_MM,
-    TorchDispatchMode,
     fake_tensor_type,
     grouped_mm_refuses,
     outside_modes,
     storage_key,
-    tree_leaves,
     value_dependent_errors,
 )
+from .._plumbing.torch_internals.trees import tree_leaves
 
 CATEGORIES = ("model", "grad", "state", "saved", "other")
 HOST = "host"  # noted but not counted: memory the target keeps off the device
@@ -59,7 +59,7 @@ class StepCounter(TorchDispatchMode):
         self.window = 0  # the most live bytes since a caller set it (a block's own peak)
         self.at_peak: dict[str, dict[str, int]] = {}
         self._round = round_to
-        self._real_limit = real_limit if internals.DISABLE_MODES is not None else 0
+        self._real_limit = real_limit if planner_internals.DISABLE_MODES is not None else 0
         self._fake = fake_tensor_type()
         self._paused = 0
         # storage key -> [bytes, category, weak reference, whether the bytes were told]

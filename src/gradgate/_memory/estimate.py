@@ -35,7 +35,11 @@ from torch import nn
 
 from .._cut.gate import BackpropGate
 from .._plumbing.errors import EstimateError, GradgateError
-from .._plumbing.torch_internals import fake_tensor_mode, unwrap_compiled, value_dependent_errors
+from .._plumbing.torch_internals.planner import (
+    fake_tensor_mode,
+    unwrap_compiled,
+    value_dependent_errors,
+)
 from .._select.names import Pattern, check_module, resolve_blocks
 from .memory_plan import MemoryPlan, MemoryRow, Replanner
 from .options import (

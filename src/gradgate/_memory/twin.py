@@ -18,12 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plumbing.torch_internals import (
-    drop_compiled_forwards,
-    tree_flatten,
-    tree_unflatten,
-    unwrap_compiled,
-)
+from .._plumbing.torch_internals.planner import drop_compiled_forwards, unwrap_compiled
+from .._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 
 REAL_LIMIT = 2**24  # the most elements of an integer input kept real
 OP_LIMIT = 2**16  # integer results of ops kept real: at least this many elements

@@ -42,7 +42,8 @@ from .._plumbing.errors import (
     InvalidOptionError,
     SavedTensorModifiedError,
 )
-from .._plumbing.torch_internals import next_sequence_nr, sequence_nr, tree_flatten
+from .._plumbing.torch_internals import next_sequence_nr, sequence_nr
+from .._plumbing.torch_internals.trees import tree_flatten
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 _VERSIONS = re.compile(

@@ -25,8 +25,8 @@ from .torch_internals import (
     needs,
     outer_saved_tensors_hooks,
     saved_tensors_hooks_active,
-    tree_leaves,
 )
+from .torch_internals.trees import tree_leaves
 
 Node = Any  # torch.autograd.graph.Node; its Python API is only partly typed
 # The on_save callbacks of the observe_saved blocks active in this context, outermost first.

@@ -25,7 +25,7 @@ from .._plumbing.handles import Handle
 from .._plumbing.hook_set import HookSet
 from .._plumbing.hooks import GateHook
 from .._plumbing.tagging import runs_itself
-from .._plumbing.torch_internals import tree_flatten, tree_unflatten
+from .._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from .._select.names import Pattern, check_module, check_patterns, resolve_modules
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.optim import lr_scheduler as schedulers
 
 from .._plumbing.errors import InvalidOptionError
-from .._plumbing.torch_internals import sequential_parts
+from .._plumbing.torch_internals.schedulers import sequential_parts
 
 # what each kind's rate is at step t for base rate b (the chainable kinds compute the next rate
 # from the current one, so a new group starts from this value and then follows them)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..._plumbing.autograd import tensors_in
-from ..._plumbing.torch_internals import tree_flatten, tree_unflatten
+from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 
 
 def batch_size(args: Any, kwargs: dict[str, Any]) -> int | None:

@@ -15,7 +15,7 @@ import torch
 
 from ..._plumbing.autograd import tensors_in
 from ..._plumbing.errors import PrefixCacheError
-from ..._plumbing.torch_internals import tree_flatten, tree_unflatten
+from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from .keys import Key
 from .prefix import CutState
 from .rows import Padding, Template, assemble, narrow_batch, sample_rows, widen_batch

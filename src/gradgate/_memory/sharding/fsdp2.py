@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..._plumbing.autograd import tensors_in
-from ..._plumbing.torch_internals import tree_flatten, tree_unflatten
+from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from ..counter import StepCounter
 from .engine import Engine
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..._plumbing.autograd import tensors_in
-from ..._plumbing.torch_internals import tree_flatten, tree_unflatten
+from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from ..counter import StepCounter
 from .zero import ZeroKnobs, _unique, _Zero, ceil_part
 

@@ -1,21 +1,22 @@
-"""Every private torch API gradgate uses, in one place, each behind a feature check.
+"""Every private torch API gradgate uses, in one fenced home, each behind a feature check.
 
 torch promises nothing about these names from one release to the next. Each is looked up once,
-when this module is imported, into a constant that is ``None`` where the installed torch lacks
+when its module is imported, into a constant that is ``None`` where the installed torch lacks
 it; the function that uses it then takes its fallback. A fallback is exact: a slower path or an
 uncompiled block, never a different gradient. Where a feature cannot work without the API, the
 fallback raises :class:`~gradgate.TorchVersionError` instead. The tests force each fallback on
 the installed torch by setting the constant to ``None``.
 
-No other module of gradgate names ``torch._C``, ``torch._dynamo`` or a private
-``torch.utils`` module (tests/test_layout.py checks).
+This package, by concern: here, the lookups and what the cut and its hooks use (autograd's
+engine, module hooks, sequence numbers, saved-tensor hooks, dynamo's frames); ``trees``, nested
+args and outputs (torch's pytree); ``planner``, the memory planner's fake tensors and dispatch
+tools; ``schedulers``, the LR schedulers' private fields. No other module of gradgate names
+``torch._C``, ``torch._dynamo`` or a private ``torch.utils`` module (tests/test_layout.py
+checks).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import importlib
 import itertools
 import types
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .errors import TorchVersionError
+from ..errors import TorchVersionError
 
 
 def _lookup(module: str, *names: str) -> Any:
@@ -41,9 +42,6 @@ def _lookup(module: str, *names: str) -> Any:
     return found
 
 
-PYTREE = _lookup("torch.utils._pytree")
-# takes a type off the pytree's registry; only the tests use it (None on torch 2.6)
-PYTREE_DEREGISTER = _lookup("torch.utils._pytree", "_deregister_pytree_node")
 DISPATCH_MODE = _lookup("torch.utils._python_dispatch", "TorchDispatchMode")
 CURRENT_NODE = _lookup("torch._C", "_current_autograd_node")
 SEQUENCE_NR = _lookup("torch._C._autograd", "_get_sequence_nr")
@@ -70,65 +68,6 @@ def needs(feature: str, api: str, *, since: str = FLOOR) -> TorchVersionError:
         f"{torch.__version__} does not have. Install a newer torch "
         "(docs/compatibility.md lists the releases tested)."
     )
-
-
-# -- pytrees: nested args and outputs ------------------------------------------------------------
-def tree_flatten(value: Any) -> tuple[list[Any], Any]:
-    """The leaves of a nested value and a spec to rebuild it (torch's pytree where present)."""
-    if PYTREE is not None:
-        return PYTREE.tree_flatten(value)  # type: ignore[no-any-return]
-    leaves: list[Any] = []
-    return leaves, _flatten(value, leaves)
-
-
-def tree_leaves(value: Any) -> list[Any]:
-    """The leaves of a nested value. torch's ``tree_flatten`` leaves a reference cycle behind
-    at every call (its recursive helper), garbage for the cycle collector: this makes none."""
-    leaves = getattr(PYTREE, "tree_leaves", None)
-    return tree_flatten(value)[0] if leaves is None else leaves(value)  # type: ignore[no-any-return]
-
-
-def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
-    """The nested value ``spec`` describes, with ``leaves`` in its leaf slots."""
-    if PYTREE is not None and not isinstance(spec, _Spec):
-        return PYTREE.tree_unflatten(leaves, spec)
-    return _unflatten(iter(leaves), spec)
-
-
-class _Spec:
-    """The fallback's spec: a container (``None`` for a leaf) and its children's specs."""
-
-    __slots__ = ("children", "container", "keys")
-
-    def __init__(self, container: Any, keys: list[Any], children: list[_Spec]) -> None:
-        self.container, self.keys, self.children = container, keys, children
-
-
-def _flatten(value: Any, leaves: list[Any]) -> _Spec:
-    if isinstance(value, (list, tuple)):
-        return _Spec(value, list(range(len(value))), [_flatten(v, leaves) for v in value])
-    if isinstance(value, dict):
-        keys = list(value)
-        return _Spec(value, keys, [_flatten(value[k], leaves) for k in keys])
-    leaves.append(value)
-    return _Spec(None, [], [])
-
-
-def _unflatten(leaves: Iterator[Any], spec: _Spec) -> Any:
-    if spec.container is None:
-        return next(leaves)
-    children = [_unflatten(leaves, child) for child in spec.children]
-    container = spec.container
-    if isinstance(container, dict):
-        rebuilt = copy.copy(container)  # keeps a dict subclass and its attributes
-        for key, child in zip(spec.keys, children, strict=True):
-            rebuilt[key] = child
-        return rebuilt
-    if isinstance(container, list):
-        return type(container)(children)
-    if hasattr(container, "_fields"):  # a namedtuple
-        return type(container)(*children)
-    return type(container)(children)
 
 
 # -- autograd ----------------------------------------------------------------------------------
@@ -367,80 +306,3 @@ def can_skip_frames() -> bool:
 
 
 SKIPS_FRAMES = can_skip_frames()  # read by frames dynamo may trace: a constant it can fold
-
-
-# -- fake tensors: shapes and dtypes, no memory (gg.estimate) -----------------------------------
-FAKE_TENSOR = "torch._subclasses.fake_tensor"  # imported on first need: it is not light
-
-
-def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode`` that also takes the real tensors a module keeps outside its
-    parameters and buffers (they become fake when used)."""
-    mode = _lookup(FAKE_TENSOR, "FakeTensorMode")
-    if mode is None:
-        raise needs("gg.estimate", "FakeTensorMode")
-    return mode(allow_non_fake_inputs=True)
-
-
-def value_dependent_errors() -> tuple[type[Exception], ...]:
-    """What a fake forward raises when it needs tensor values (``.item()``, ``nonzero()``)."""
-    names = ("DataDependentOutputException", "DynamicOutputShapeException")
-    return tuple(e for e in (_lookup(FAKE_TENSOR, n) for n in names) if e is not None)
-
-
-# -- the planner's simulated step (gg.estimate) --------------------------------------------------
-DISABLE_MODES = _lookup("torch.utils._python_dispatch", "_disable_current_modes")
-GROUPED_MM: Any = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
-
-
-def fake_tensor_type() -> type:
-    """``FakeTensor``: a mode's ``types`` holds it when an op has a fake input."""
-    return _lookup(FAKE_TENSOR, "FakeTensor") or type(None)  # type: ignore[no-any-return]
-
-
-def storage_key(storage: Any) -> int:
-    """One number per live storage, shared by all its tensors (its C++ address)."""
-    key = getattr(storage, "_cdata", None)
-    if key is None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        key = StorageWeakRef(storage).cdata
-    return int(key)
-
-
-def outside_modes() -> Any:
-    """A context where ops run for real, below every dispatch mode (fake mode included);
-    ``None`` where torch cannot (the planner then keeps every tensor fake)."""
-    return None if DISABLE_MODES is None else DISABLE_MODES()
-
-
-def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile(model)`` wraps (``model`` itself when not compiled)."""
-    while type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        model = getattr(model, "_orig_mod")  # noqa: B009 (an attribute, not a submodule)
-    return model
-
-
-def drop_compiled_forwards(model: torch.nn.Module) -> None:
-    """Undo ``module.compile()`` on every module of ``model`` (a copy the caller owns)."""
-    for module in model.modules():
-        module.__dict__.pop("_compiled_call_impl", None)
-
-
-@functools.cache
-def grouped_mm_refuses(dtype: torch.dtype) -> bool:
-    """Whether the meta kernel of ``aten._grouped_mm`` refuses ``dtype`` inputs (the real CPU
-    kernel takes float32, torch 2.13's meta kernel only bfloat16); asked below any mode."""
-    with DISABLE_MODES() if DISABLE_MODES is not None else contextlib.nullcontext():
-        a, b = (torch.empty(*size, dtype=dtype, device="meta") for size in [(16, 16), (2, 16, 16)])
-        try:
-            GROUPED_MM(a, b.transpose(-2, -1), torch.empty(2, dtype=torch.int32, device="meta"))
-        except RuntimeError:
-            return True
-    return False
-
-
-def sequential_parts(scheduler: Any) -> tuple[list[Any], list[int]] | None:
-    """``SequentialLR``'s schedulers and milestones (private fields); ``None`` where absent."""
-    parts = vars(scheduler).get("_schedulers"), vars(scheduler).get("_milestones")
-    return None if None in parts else (list(parts[0]), list(parts[1]))
