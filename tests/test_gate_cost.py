@@ -318,9 +318,13 @@ def test_blocks_run_in_order_before_the_cut_call_no_hook(monkeypatch: pytest.Mon
     assert hooked == [3]
     hooked.clear()
     gate.depth = 3
+    model(x).pow(2).sum().backward()
+    # a plan's first forward is the missing-gradient guard's: every learner takes its hooks
+    assert hooked == [2, 3, 4]
+    hooked.clear()
     model.zero_grad(set_to_none=True)
     model(x).pow(2).sum().backward()
-    # learners after the first one, in order, take the same way (the first opens the cut)
+    # then learners after the first one, in order, take the same way (the first opens the cut)
     assert hooked == [2]
     for i in range(2, 5):
         assert torch.equal(model[i].linear.weight.grad, grads[f"{i}.linear.weight"])
@@ -338,6 +342,8 @@ def test_blocks_before_the_cut_open_and_close_it_with_no_call_of_the_cuts_method
     x = torch.randn(2, 3)
     grads = _plain_grads(copy.deepcopy(model), x)
     gate = gg.BackpropGate(model, depth=depth, blocks="0.*")
+    model(x).pow(2).sum().backward()  # the plan's first forward: every learner's hooks run
+    model.zero_grad(set_to_none=True)
     calls: list[str] = []
     for name in ("_open", "_close_again", "_open_after"):
         method = getattr(gate, name)
@@ -528,7 +534,8 @@ def test_a_forward_where_no_block_learns_and_none_is_held_registers_no_hook() ->
         out.sum().backward()
         learned = [param.grad is not None for param in model.parameters()]
         assert learned == [False] * 2 * (4 - depth) + [True] * 2 * (depth + 1)
-    assert registered == [False, False, True, True, False]
+    # a plan's first forward has the missing-gradient guard's hooks (depth 0's, once)
+    assert registered == [True, False, True, True, False]
     gate.remove()
 
 

@@ -221,13 +221,30 @@ def check_steps(schedule, recorder: Recorder, *, lr: float = LR) -> None:
                 assert torch.equal(after, before), f"step {step}: {name} moved but not learning"
 
 
-def check_logs(schedule, trainer) -> None:
+def check_logs(schedule, trainer, model: nn.Module) -> None:
+    """The plan's numbers, and what learns under it: each learning block's parameter count and
+    the total, with the final norm and the head (tied to the embedding) that learn under a cut,
+    and everything around the blocks without one (DropBP)."""
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in logged] == list(range(1, STEPS + 1))  # every logging step
+    blocks = model.transformer.h
+    after = sum(p.numel() for m in (model.transformer.ln_f, model.lm_head) for p in m.parameters())
+    outside = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in blocks.parameters()
+    )
     for entry in logged:
         plan = schedule.plan(entry["step"] - 1)
         found = {k: v for k, v in entry.items() if k.startswith("gradgate/")}
-        assert found == {f"gradgate/{k}": float(v) for k, v in plan.metrics(N).items()}
+        learns = {
+            f"gradgate/learns/transformer.h.{i}": float(
+                sum(p.numel() for p in blocks[i].parameters())
+            )
+            for i in sorted(plan.learning(N))
+        }
+        cut = plan.depth is not None or plan.learn is not None  # else no cut: all learn
+        total = sum(learns.values()) + (after if cut else outside)
+        expected = {f"gradgate/{k}": float(v) for k, v in plan.metrics(N).items()}
+        assert found == {**expected, **learns, "gradgate/learning_parameters": total}
 
 
 def test_hf_random_depth_update_equals_reference(tmp_path: Path) -> None:
@@ -236,7 +253,7 @@ def test_hf_random_depth_update_equals_reference(tmp_path: Path) -> None:
     assert len(set(depths)) > 1, depths
     model, trainer, recorder = train(schedule, tmp_path)
     check_steps(schedule, recorder)
-    check_logs(schedule, trainer)
+    check_logs(schedule, trainer, model)
     assert all(p.requires_grad for p in model.parameters())
 
 
@@ -248,7 +265,7 @@ def test_hf_lisa_update_equals_reference(tmp_path: Path) -> None:
     assert len(set(drawn)) > 1, drawn
     model, trainer, recorder = train(schedule, tmp_path)
     check_steps(schedule, recorder)
-    check_logs(schedule, trainer)
+    check_logs(schedule, trainer, model)
     # the position embedding runs after the named token embedding and is not named: no update
     first = recorder.steps[0]["before"]["transformer.wpe.weight"]
     assert torch.equal(model.transformer.wpe.weight, first)
@@ -258,9 +275,9 @@ def test_hf_dropbp_update_equals_reference(tmp_path: Path) -> None:
     schedule = gg.schedules.DropBP(N, 0.5, seed=1)
     skips = [schedule.plan(s).skip for s in range(STEPS)]
     assert any(skips) and len(set(skips)) > 1, skips
-    _, trainer, recorder = train(schedule, tmp_path)
+    model, trainer, recorder = train(schedule, tmp_path)
     check_steps(schedule, recorder)
-    check_logs(schedule, trainer)
+    check_logs(schedule, trainer, model)
 
 
 def test_hf_reference_check_fails_on_a_wrong_learning_rate(tmp_path: Path) -> None:

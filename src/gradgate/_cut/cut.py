@@ -267,8 +267,6 @@ class _Cut(BlockHooks, Handle):
             frame.training = self._set_prefix_mode(self._model)
         if self._missing.pending and grad and not self._fsdp.sharded:  # a plan's first forward
             frame.watch = self._missing.arm((self._learn, self._skip, self._extra))
-            if frame.watch is not None:
-                frame.lane = None  # watched: every block's hooks run, to see what happens
         if blocking:
             internals.set_grad_mode(False)
             if torch.is_autocast_cache_enabled():

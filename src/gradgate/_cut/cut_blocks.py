@@ -103,7 +103,7 @@ class BlockHooks:
         if frame.gap_calls:
             self._gap_modules.update(frame.gap_calls)  # these ran between blocks
             frame.gap_calls.clear()
-            frame.lane = self if self.prefix_mode == "keep" and frame.watch is None else None
+            frame.lane = self if self.prefix_mode == "keep" else None
         frame.ran.add(position)
         learns = self._learn is not None and position in self._learn
         if frame.gap_guess is not None:  # else the cut closes again here: no graph goes on
@@ -146,6 +146,8 @@ class BlockHooks:
             return self._hooked_call(position, wrapper, args, kwargs)
         if frame.lane is not self or position != frame.last_position + 1:
             return self._hooked_call(position, wrapper, args, kwargs)
+        if frame.watch is not None and self._watched(position):  # a plan's first forward
+            return self._hooked_call(position, wrapper, args, kwargs)
         step = self._steps[position]  # the root's enter made the plan's tables
         if step > LEARNER:  # before the cut
             if frame.opened:
@@ -179,6 +181,12 @@ class BlockHooks:
         frame.last_position = position
         frame.ran.add(position)
         return wrapper.inner(*args, **kwargs)
+
+    def _watched(self, position: int) -> bool:
+        """Whether the missing-gradient guard needs the block's hooks: from the first learner
+        on (what runs before it learns nothing, so it shows the guard nothing)."""
+        learn = self._learn
+        return learn is None or any(i <= position for i in learn) or bool(self._extra_blocks)
 
     def _hooked_call(self, position: int, wrapper: HookedForward, args: Any, kwargs: Any) -> Any:
         """The block's call with its hooks around it (its only gate hooks: the lane's pair)."""
@@ -221,7 +229,9 @@ class BlockHooks:
             self._open_after(frame, position)
         if frame.watch is not None:
             learner = position not in self._skip and (self._learn is None or self._learns(position))
+            mark = internals.hooks_registered()
             frame.watch.exited(position, learner, module, output)
+            self._hooks.registered_since(mark)  # the guard's own (node hooks): no module's
         return replaced
 
     def _open_after(self, frame: Frame, position: int) -> None:

@@ -218,7 +218,9 @@ class GradientWatch:
         self.detached: dict[int, int] = {}  # block -> the block whose output was detached
         self.connected: dict[int, set[int]] = {}  # block -> parameters its output's graph reaches
         self._inputs: set[Any] = set()  # the graph nodes of the running block's input
-        self._last: tuple[int, list[torch.Tensor]] | None = None  # the last block's output
+        # the last block and its output's storages (addresses, not tensors: holding the tensors
+        # would keep them alive through backward, memory no plain step has)
+        self._last: tuple[int, set[int]] | None = None
         self._got: set[int] = set()
         self._hooks: list[Any] = []
         self._expected: dict[int, tuple[nn.Parameter, str]] = {}
@@ -230,19 +232,16 @@ class GradientWatch:
             self.no_grad.add(position)  # off, and not by a gate (nested gates: another's cut)
         self._inputs = {t.grad_fn for t in tensors_in(args) if t.grad_fn is not None}
         if self._last is not None and torch.is_grad_enabled():
-            previous, outputs = self._last
+            previous, storages = self._last
             given = tensors_in(args)[:1]
-            if (
-                given
-                and not given[0].requires_grad
-                and any(_same_storage(given[0], t) for t in outputs)
-            ):
+            if given and not given[0].requires_grad and _storage(given[0]) in storages:
                 self.detached[position] = previous
 
     def exited(self, position: int, learns: bool, module: nn.Module, output: Any) -> None:
         tensors = tensors_in(output)
         graph = [t for t in tensors if t.requires_grad]
-        self._last = (position, graph)
+        self._last = (position, {_storage(t) for t in graph} - {0})
+        inputs, self._inputs = self._inputs, set()  # graph nodes held past the block: memory
         if not learns or not torch.is_grad_enabled() or position in self.no_grad:
             return
         if not graph:
@@ -252,7 +251,7 @@ class GradientWatch:
         nodes = list({id(t.grad_fn): t.grad_fn for t in graph if t.grad_fn is not None}.values())
         for node in nodes:
             node.register_prehook(lambda *grads, p=position: self.reached.add(p))
-        inputs = self._inputs  # the block's own graph: down to its input, not the blocks before
+        # the block's own graph: down to its input, not the blocks before
         leaves = (leaf_variable(n) for n in walk(nodes, enter=lambda n: n not in inputs))
         self.connected[position] = {id(leaf) for leaf in leaves if leaf is not None}
 
@@ -330,11 +329,13 @@ class GradientWatch:
         return f"between {self.detached[min(after)]}" if after else ""
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _storage(tensor: torch.Tensor) -> int:
+    """Which storage the tensor views (its storage object's address: no data pointer read, so
+    fake tensors answer too); 0 for a tensor with none."""
     try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except RuntimeError:  # a tensor with no storage (fake, meta)
-        return False
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _message(cause: str, where: list[str], watch: GradientWatch) -> str:
