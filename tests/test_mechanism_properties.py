@@ -280,7 +280,7 @@ def test_dropped_parameters_keep_still_and_restart_like_new_ones(
         for model in (ours, ref):
             for i, layer in enumerate(model):
                 layer.requires_grad_(i in learning)
-            model(x).pow(2).sum().backward()
+            model(x).pow(2).mean().backward()  # a sum diverges (nan) in some loops
         opt.step()
         ref_opt.step()
         for optim in (opt, ref_opt):  # zeros left on every layer with set_to_none=False
