@@ -351,3 +351,48 @@ def test_in_steady_steps_the_guard_reads_no_gradient_values(
         per_step.append(list(asked))
     assert per_step == [[], [1], *[[]] * 7]  # wpe once, after the full step
     gate.remove()
+
+
+class Normed(nn.Module):
+    """A norm after each block, from a list of their own: code between the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(3))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, norm in zip(self.blocks, self.norms, strict=True):
+            x = norm(x + torch.tanh(block(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_norms_between_the_blocks_step_as_with_zero_grad_setting_none(optimizer: str) -> None:
+    """The norms between the blocks learn from the first learner on and get nothing before it
+    (frozen there): whatever the plans, zero_grad(set_to_none=False) moves exactly what
+    set_to_none=True moves, and a norm that got no gradient keeps still."""
+    ours, twin = Normed(), Normed()
+    opts = [OPTIMIZERS[optimizer](list(m.parameters())) for m in (ours, twin)]
+    gates = [gg.BackpropGate(m) for m in (ours, twin)]
+    plans: list[Plan] = [("none", None), ("learn", {0, 2}), ("depth", 1), ("learn", {1})]
+    plans += [("learn", {2, "norms.0"}), ("depth", 0), ("learn", {0, 2}), ("learn", {1})]
+    for t, plan in enumerate(plans):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(t))
+        norms = [n.weight.detach().clone() for n in ours.norms]
+        for model, gate, opt, set_to_none in zip(
+            (ours, twin), gates, opts, (False, True), strict=True
+        ):
+            set_plan(gate, plan)
+            model(x).sum().backward()
+            got = [n.weight.grad is not None for n in model.norms]
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        assert_same(ours, twin, f"step {t} {plan}")
+        for i, norm in enumerate(ours.norms):  # the twin's: None where nothing came
+            assert torch.equal(norm.weight, norms[i]) == (not got[i]), (t, i)
+    assert got != [True] * 3  # some steps leave some norms out
+    for gate in gates:
+        gate.remove()

@@ -9,11 +9,11 @@ optimizer holds. The hooks cost one pass over the guarded parameters per step, n
 forward or per block.
 
 Around a gate's blocks (an embedding before the cut, a position embedding the model holds
-itself), what got no gradient in a step is seen on the ``.grad`` itself: still the tensor the
-stepping optimizer left at its last step, unchanged since or all zero (zeroed in place: one
-host sync, at the first step after it learned), it carries nothing new. A ``.grad`` written as
-a new tensor is the user's; one written into in place, or added to by a separate backward,
-carries something and is kept.
+itself, a norm run between the blocks and frozen before the first learner), what got no gradient
+in a step is seen on the ``.grad`` itself: still the tensor the stepping optimizer left at its
+last step, unchanged since or all zero (zeroed in place: one host sync, at the first step after
+it learned), it carries nothing new. A ``.grad`` written as a new tensor is the user's; one
+written into in place, or added to by a separate backward, carries something and is kept.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ class CutGrads:
         shared: frozenset[int],
         model: nn.Module,
         stacks: Stacks,
+        gap: set[int],
     ) -> None:
         self._blocks = [module for _, module in points]
         self._shared = shared  # tied parameters also used outside the blocks
@@ -141,10 +142,11 @@ class CutGrads:
         self._clean: set[int] = set()  # blocks found with nothing to drop, not learned since
         self._seen: dict[int, weakref.ref[torch.optim.Optimizer]] = {}  # stepped with a cut
         in_blocks = {id(p) for block in self._blocks for p in block.parameters()}
-        self._stacks = stacks
+        self._stacks, self._gap = stacks, gap  # gap: outside modules seen between blocks
         self._around_all = [p for p in model.parameters() if id(p) not in in_blocks]
         self._around: list[nn.Parameter] = []  # those a plan may keep from learning
-        self._around_at = -1  # the stacks' runs they were found at
+        self._around_at = -1  # the runs stacks learned plus gap modules seen, then (both grow)
+        self._joined: dict[int, weakref.ref[torch.Tensor]] = {}  # looked at since the last step
         # per optimizer: the .grad around the blocks its last step left, and its version
         self._applied: dict[int, tuple[weakref.ref[Any], _Left]] = {}
         self._last: _Left = _left(_with_grad(self._around_all))  # what any step left last
@@ -213,7 +215,8 @@ class CutGrads:
         # all found with nothing to drop, none learned since: the usual step
         found = [] if len(clean) == len(stale.blocks) else self._left_in_blocks(stale)
         if stale.named is not None:  # every forward cut: what is around may have learned none
-            around = self._around if self._around_at == self._stacks.runs else self._find_around()
+            runs = self._stacks.runs + len(self._gap)
+            around = self._around if self._around_at == runs else self._find_around()
             with_grad = [param for param in around if param.grad is not None]
             if with_grad:  # else the usual step: dropped at the first that left them out
                 found += self._left_around(optimizer, with_grad, stale.named)
@@ -252,6 +255,9 @@ class CutGrads:
         for param in params:
             grad = param.grad
             found = (self._last if left is None else left).get(id(param))
+            if found is None:  # looked at since the last step (it ran between the blocks)?
+                joined = self._joined.get(id(param))
+                found = None if joined is None else (joined, -1)  # -1: if all zero
             if found is None or found[0]() is not grad or id(param) in named:
                 continue  # a new tensor: this step's, or the user's; or a named learner's
             if left is not None and _writes(grad) == found[1]:  # type: ignore[arg-type]
@@ -265,22 +271,32 @@ class CutGrads:
 
     def _find_around(self) -> list[nn.Parameter]:
         """The parameters around the blocks, but those of modules seen running after the last
-        stack (a final norm, a head, and a weight tied to it): they learn at every plan."""
-        stacks = self._stacks
-        self._around_at, last = stacks.runs, stacks.of[-1] if stacks.of else -1
+        stack began and never between its blocks before the first learner (a final norm, a
+        head, and a weight tied to it): they learned in every forward so far."""
+        stacks, gap = self._stacks, self._gap
+        self._around_at, last = stacks.runs + len(gap), stacks.of[-1] if stacks.of else -1
         after = {
             id(param)
             for index, module in enumerate(stacks.outside)
-            if stacks.seen_after(last, index)
+            if stacks.seen_after(last, index) and index not in gap
             for param in module.parameters()
         }
+        known = {id(param) for param in self._around}
         self._around = [p for p in self._around_all if id(p) not in after]
+        self._joined = {  # what the last step left on those not looked at then
+            id(p): weakref.ref(g)
+            for p in self._around
+            if id(p) not in known and (g := p.grad) is not None
+        }
         return self._around
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         self._stepped = True  # the next forward starts the next step's plans
-        around = self._around if self._around_at == self._stacks.runs else self._find_around()
+        runs = self._stacks.runs + len(self._gap)
+        around = self._around if self._around_at == runs else self._find_around()
         with_grad = [param for param in around if param.grad is not None]
+        if self._joined:
+            self._joined = {}  # in this step's record now
         applied = self._applied
         if with_grad or id(optimizer) in applied:  # what this step left around the blocks
             if len(applied) >= 16 and id(optimizer) not in applied:  # forget the dead ones
