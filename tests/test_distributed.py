@@ -659,6 +659,34 @@ def fsdp_step(
     return len(gathers)
 
 
+def fsdp2_embedding_before_the_cut_keeps_still(rank: int, record: dict[str, Any]) -> None:
+    """FSDP2 and zero_grad(set_to_none=False): the embedding learns in a full step, then gets
+    no gradient under a cut, and momentum moves none of its shards (its gradient is a DTensor
+    whose shard FSDP2 adds into); the head learns at every step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for foreach in (None, False):  # zero_grad zeroes the DTensors in one call, or one by one
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        gate = gg.BackpropGate(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
+        plans: list[Plan] = [("depth", None), ("depth", 1), ("learn", frozenset({2})), ("depth", 0)]
+        for step, (kind, value) in enumerate(plans):
+            setattr(gate, kind, value)
+            embed, head = (m.weight.full_tensor().clone() for m in (model.embed, model.head))
+            model(batch(rank, step)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            still = torch.equal(model.embed.weight.full_tensor(), embed)
+            assert still == (step > 0), (foreach, step)
+            assert not torch.equal(model.head.weight.full_tensor(), head), (foreach, step)
+        gate.remove()
+
+
 def check_ranks_lets_one_rank_evaluate(rank: int, record: dict[str, Any]) -> None:
     """A forward with no graph (an evaluation) on rank 0 alone checks no plan: nothing is
     averaged, and the next training step on both ranks is exact."""
@@ -778,6 +806,7 @@ SCENARIOS: list[Callable[[int, dict[str, Any]], None]] = [
     gate_made_before_the_process_group_checks_ddp,
     fsdp2_all_gathers_only_learning_blocks,
     fsdp2_plans_before_and_after_fully_shard,
+    fsdp2_embedding_before_the_cut_keeps_still,
     check_ranks_lets_one_rank_evaluate,
     allreduce_trained_tags_tell_bfloat16_plans_apart,
     allreduce_trained_under_join,

@@ -106,7 +106,9 @@ class _Cut(BlockHooks, Handle):
         self._held = HeldFrozen()
         self._missing = MissingGradients()
         self._shares_params = blocks_sharing_parameters(points)
-        self._stale_grads = CutGrads(points, self._shared_ids)
+        self._stale_grads = CutGrads(
+            points, self._shared_ids, model, self._stacks, self._gap_modules
+        )
         self._residual = ResidualPaths()
         self._ddp_checked = False  # at a forward: the process group may start after the gate
         self._forwards = 0  # root forwards so far: a plan change and a `with` block compare

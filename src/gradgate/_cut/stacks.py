@@ -47,6 +47,7 @@ class Stacks:
         self._ran_after: dict[int, int] = {}
         self._ran_after_some: dict[int, int] = {}
         self._placed: list[int] | None = None  # the same, guessed from the model's structure
+        self.runs = 0  # runs learned that differ from the one before: what caches compare
 
     def start(self, frame: Frame, position: int, *, planned: bool) -> None:
         """The first block of a stack runs in this forward: stacks run in their listed order."""
@@ -104,6 +105,7 @@ class Stacks:
         if not frame.stacks_ran or (frame.stacks_ran, frame.outside_calls) == self._learned:
             return  # no stack ran, or the same run as the last: nothing new
         self._learned = (frame.stacks_ran, frame.outside_calls)
+        self.runs += 1
         self.seen_all = self.seen_all or len(frame.stacks_ran) == len(set(self.of))
         for order, stack in enumerate(frame.stacks_ran):
             after = self._after.setdefault(stack, set())
