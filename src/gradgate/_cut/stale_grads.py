@@ -43,7 +43,7 @@ LEARNERS_ONLY = "_gradgate_learners_only"  # on the optimizers step_learners_onl
 def drop_zero_grads(params: Iterable[torch.Tensor]) -> None:
     """``.grad = None`` where the gradient is all zero (one host sync for all of them)."""
     held = [p for p in params if p.grad is not None]
-    for param in _all_zero(held):
+    for param in _all_zero(held) if held else ():
         param.grad = None
 
 
@@ -266,7 +266,8 @@ class CutGrads:
                 changed.append(param)
         if changed:  # perhaps only zeroed in place: one host sync for those it steps
             held = _held_by(optimizer)
-            unchanged += _all_zero([param for param in changed if id(param) in held])
+            stepped = [param for param in changed if id(param) in held]
+            unchanged += _all_zero(stepped) if stepped else []
         return unchanged
 
     def _find_around(self) -> list[nn.Parameter]:
