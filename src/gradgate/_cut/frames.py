@@ -201,7 +201,8 @@ def warn_lost_grad_mode() -> None:
         "nothing after the cut will get gradients. The usual cause is reentrant activation "
         "checkpointing around the first learning block: its inputs come from the cut and do "
         "not require grad. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
-        "(for transformers: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-        "{'use_reentrant': False})).",
+        "(transformers 5.23 and later: model.activation_checkpointing_enable("
+        "{'use_reentrant': False}); before: gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})).",
         CheckpointAfterCutWarning,
     )

@@ -355,8 +355,10 @@ def _message(cause: str, where: list[str], watch: GradientWatch) -> str:
             "forward that had it on, as reentrant activation checkpointing runs them "
             "(torch.utils.checkpoint with use_reentrant=True), and their input needed no grad "
             "(it came from the cut or from frozen modules), so backward never recomputed them. "
-            "Fix: checkpoint(..., use_reentrant=False) (transformers: gradient_checkpointing_"
-            "enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or an input that "
+            "Fix: checkpoint(..., use_reentrant=False) (transformers 5.23 and later: "
+            "activation_checkpointing_enable({'use_reentrant': False}); before: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False})), or an input that "
             "requires grad (transformers: model.enable_input_require_grads())."
         )
     if cause == "no graph":
