@@ -412,20 +412,17 @@ def test_a_failing_torch_formula_falls_back() -> None:
     assert formula(1, 2, out_val=None) == 7 and formula._get_raw is True
 
 
-def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
+def test_schedules_section_compares_every_schedule_on_the_same_steps() -> None:
     from gradgate._bench.sections import schedules
+    from gradgate.schedules import _REGISTRY
 
     rows = {row["method"]: row for row in schedules.measure(blocks=3, width=8, steps=4)}
-    assert list(rows) == [
-        "full backprop",
-        "RandomDepth",
-        "LISA",
-        "DropBP",
-        "FreezeOut",
-        "GradualUnfreeze",
-    ]
+    compared = [kind.__name__ for kind in _REGISTRY if kind not in schedules.EXCLUDED]
+    assert list(rows) == ["full backprop", *compared]
+    assert set(schedules.EXCLUDED) <= set(_REGISTRY)
+    assert all(isinstance(reason, str) and reason for reason in schedules.EXCLUDED.values())
     assert rows["full backprop"]["flops_ratio"] == rows["full backprop"]["saved_ratio"] == 1.0
-    for name in ("RandomDepth", "LISA", "DropBP", "GradualUnfreeze"):
+    for name in compared:  # each trains less than everything at some step
         assert rows[name]["backward_flops"] < rows["full backprop"]["backward_flops"], name
     # AdamW keeps two moments per learning parameter; FreezeOut drops finished blocks' state
     assert rows["full backprop"]["state_ratio"] > 1.9
@@ -433,6 +430,24 @@ def test_schedules_section_compares_the_methods_on_the_same_steps() -> None:
         rows["FreezeOut"]["optimizer_state_bytes"] < rows["full backprop"]["optimizer_state_bytes"]
     )
     assert "FreezeOut" in schedules.table(list(rows.values()))
+
+
+def test_a_new_schedule_joins_the_schedules_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradgate._bench.sections import schedules
+    from gradgate.schedules import _REGISTRY, Plan, Schedule
+
+    class LastBlockOnly(Schedule):
+        def _plan(self, step: int) -> Plan:
+            return Plan(depth=1)
+
+        def _config(self) -> dict[str, int]:
+            return {"n": self.n}
+
+    monkeypatch.setitem(_REGISTRY, LastBlockOnly, lambda n, steps, seed: LastBlockOnly(n))
+    rows = {row["method"]: row for row in schedules.measure(blocks=3, width=8, steps=2)}
+    assert list(rows)[-1] == "LastBlockOnly"
+    assert 0 < rows["LastBlockOnly"]["flops_ratio"] < rows["FreezeOut"]["flops_ratio"]
+    assert "LastBlockOnly" in schedules.table(list(rows.values()))
 
 
 @pytest.mark.slow  # two spawned processes: about 8 s here

@@ -135,8 +135,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedules",
         action="store_true",
-        help="add the schedules section: RandomDepth, LISA, DropBP, FreezeOut and "
-        "GradualUnfreeze side by side (backward FLOPs, saved bytes, optimizer state)",
+        help="add the schedules section: every schedule in gradgate.schedules side by side "
+        "(backward FLOPs, saved bytes, optimizer state)",
     )
     parser.add_argument(
         "--distributed",

@@ -21,7 +21,7 @@ Plan(depth=3)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from .._cut.gate import gate_parts
@@ -314,6 +314,22 @@ class GradualUnfreeze(Schedule):
             "by": self.by,
             "then_all": self.then_all,
         }
+
+
+# The one list of schedules. The bench compares every one of them (or names it in its one
+# exclusion, with the reason), the tests run each through the same checks and hold
+# docs/schedules.md's table to it, and a test holds it to ``__all__``. Each entry builds the
+# schedule for a model of ``n`` blocks trained for ``steps`` steps, drawing with ``seed``: a
+# new schedule adds its line here.
+_REGISTRY: dict[type[Schedule], Callable[[int, int, int], Schedule]] = {
+    RandomDepth: lambda n, steps, seed: RandomDepth(n, seed=seed),
+    LISA: lambda n, steps, seed: LISA(n, max(1, n // 3), every=max(1, steps // 2), seed=seed),
+    BAdam: lambda n, steps, seed: BAdam(n, max(1, steps // n), seed=seed),
+    DropBP: lambda n, steps, seed: DropBP(n, 0.5, seed=seed),
+    FreezeOut: lambda n, steps, seed: FreezeOut(n, total_steps=steps, first=0.25, seed=seed),
+    GradualUnfreeze: lambda n, steps, seed: GradualUnfreeze(n, every=max(1, steps // n), seed=seed),
+    Importance: lambda n, steps, seed: Importance(range(n), budget=0.5, seed=seed),
+}
 
 
 def _spaced_stops(n: int, total: int, first: float, spacing: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""The ``--schedules`` section: the five schedules side by side over the same steps.
+"""The ``--schedules`` section: every schedule in ``gg.schedules`` side by side over the same steps.
 
 One residual MLP stack, AdamW, the same batches for every method: backward FLOPs and bytes
 saved for backward (``gg.audit``) and optimizer state bytes after the last step, each as a
@@ -35,15 +35,17 @@ def _model(blocks: int, width: int) -> nn.Module:
     )
 
 
+# Schedules of gg.schedules that this section leaves out, each with the reason (none today).
+EXCLUDED: dict[type[gg.schedules.Schedule], str] = {}
+
+
 def _schedules(n: int, steps: int) -> dict[str, gg.schedules.Schedule | None]:
-    return {
-        "full backprop": None,
-        "RandomDepth": gg.schedules.RandomDepth(n, seed=0),
-        "LISA": gg.schedules.LISA(n, k=max(1, n // 3), every=max(1, steps // 2), seed=0),
-        "DropBP": gg.schedules.DropBP(n, 0.5, seed=0),
-        "FreezeOut": gg.schedules.FreezeOut(n, total_steps=steps, first=0.25),
-        "GradualUnfreeze": gg.schedules.GradualUnfreeze(n, every=max(1, steps // n), start=1),
-    }
+    """Full backprop, then every registered schedule but the excluded ones, as registered."""
+    methods: dict[str, gg.schedules.Schedule | None] = {"full backprop": None}
+    for kind, build in gg.schedules._REGISTRY.items():
+        if kind not in EXCLUDED:
+            methods[kind.__name__] = build(n, steps, 0)
+    return methods
 
 
 def measure(*, blocks: int = 6, width: int = 64, steps: int = 8) -> list[dict[str, Any]]:
@@ -63,6 +65,8 @@ def measure(*, blocks: int = 6, width: int = 64, steps: int = 8) -> list[dict[st
                 schedule.apply(gate, step)
             with gg.audit(model) as report:
                 model(x).pow(2).mean().backward()
+            if schedule is not None:
+                schedule.observe(model)  # Importance scores the gradients; the others ignore them
             flops += report.totals["backward_flops"]
             saved += report.totals["saved_bytes"]
             optimizer.step()
