@@ -432,3 +432,20 @@ def test_an_optimizer_step_that_reads_values_names_the_step_and_the_fix(
     assert "'adamw'" in message and "'sgd'" in message  # the planner's own
     assert "gradgate/_memory/options.py" in message  # where the rules are written
     assert "FakeTensorMode" in (options.__doc__ or "") and ".item()" in (options.__doc__ or "")
+
+
+def test_every_planner_optimizer_is_documented() -> None:
+    """Each name of the planner's optimizers (an alias of an earlier one aside) is in
+    gg.estimate's docstring and in the CLI's options on docs/depth-fits.md."""
+    from gradgate._memory.options import OPTIMIZERS, planned_optimizer
+
+    page = (Path(__file__).parents[1] / "docs" / "depth-fits.md").read_text()
+    cli_options = page.split("`--optimizer` (")[1].split(")")[0]
+    seen: list[object] = []
+    for name in OPTIMIZERS:
+        entry = planned_optimizer(name)
+        if entry in seen:
+            continue  # "momentum": "sgd_momentum" again
+        seen.append(entry)
+        assert f'``"{name}"``' in (gg.estimate.__doc__ or ""), name
+        assert f"`{name}`" in cli_options, name

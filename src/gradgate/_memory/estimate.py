@@ -93,12 +93,13 @@ def estimate(
     ``zero_grad``. ``dtype`` plans parameters (and floating inputs) cast to it, e.g.
     ``"bf16"``; ``amp="bf16"`` runs the forward under ``torch.autocast``, the weights as they
     are; ``masters="fp32"`` plans ``gg.optim.LearnerMasters`` over low-precision weights;
-    ``optimizer`` is ``"adamw"``, ``"adamw_fused"``, ``"adam"``, ``"sgd_momentum"`` or
-    ``"sgd"``. ``device`` is whose rules the step follows: ``"cuda"`` (foreach optimizers,
-    512-byte allocations) or ``"cpu"`` (for-loop optimizers); by default the model's, and
-    ``"cuda"`` for a meta model. Gradient checkpointing set on the model is followed, in the
-    mode (train or eval) the model is in. ``blocks`` names the block sequence as for
-    :class:`BackpropGate`. The model itself is never changed.
+    ``optimizer`` is ``"adamw"``, ``"adamw_fused"``, ``"adam"``, ``"sgd_momentum"``,
+    ``"sgd"`` or ``"adafactor"`` (torch's, factored). ``device`` is whose rules the step
+    follows: ``"cuda"`` (foreach optimizers, 512-byte allocations) or ``"cpu"`` (for-loop
+    optimizers); by default the model's, and ``"cuda"`` for a meta model. Gradient
+    checkpointing set on the model is followed, in the mode (train or eval) the model is in.
+    ``blocks`` names the block sequence as for :class:`BackpropGate`. The model itself is
+    never changed.
 
     ``world=N`` with ``shard="ddp"``, ``"fsdp2"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` plans
     one GPU of ``N``: every row is the bytes of the rank that holds the most, its parameters,

@@ -48,12 +48,14 @@ class PlannedOptimizer:
     scalars: bool = False  # reads values only as scalars that size no tensor: .item() reads 1
     since: str = ""  # the torch release that added it, where newer than gradgate's floor
 
-    def factory(self) -> Callable[..., torch.optim.Optimizer]:
+    def factory(self, name: str = "") -> Callable[..., torch.optim.Optimizer]:
+        """The optimizer's class; refused, naming the release, where this torch lacks it."""
         if not isinstance(self.kind, str):
             return self.kind
         found = getattr(torch.optim, self.kind, None)
         if found is None:
-            raise needs(f"gg.estimate's {self.kind}", f"torch.optim.{self.kind}", since=self.since)
+            feature = f"gg.estimate(optimizer={name or self.kind.lower()!r})"
+            raise needs(feature, f"torch.optim.{self.kind}", since=self.since)
         return found  # type: ignore[no-any-return]
 
     @property
@@ -69,6 +71,8 @@ _OPTIMIZERS: dict[str, PlannedOptimizer] = {
     "sgd_momentum": PlannedOptimizer("SGD", {"momentum": 0.9}, slots=1),
     "momentum": PlannedOptimizer("SGD", {"momentum": 0.9}, slots=1),
     "sgd": PlannedOptimizer("SGD"),
+    # row and column factors for 2-D and larger, the whole second moment for a vector
+    "adafactor": PlannedOptimizer("Adafactor", slots=1, step_count=True, scalars=True, since="2.5"),
 }
 OPTIMIZERS = tuple(_OPTIMIZERS)
 
@@ -165,8 +169,10 @@ def optimizer_option(optimizer: object) -> str:
         raise InvalidOptionError(
             f"gg.estimate(optimizer={optimizer!r}) is not a known optimizer; expected one of "
             f"{sorted(_OPTIMIZERS)}, e.g. optimizer='adamw' (Adam and AdamW keep two "
-            "states per parameter, SGD with momentum one, plain SGD none)."
+            "states per parameter, SGD with momentum one, plain SGD none, Adafactor row and "
+            "column factors of each matrix)."
         )
+    _OPTIMIZERS[optimizer].factory(optimizer)  # refuses one this torch lacks, naming the release
     return optimizer
 
 
