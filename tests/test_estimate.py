@@ -375,4 +375,77 @@ def test_a_forward_that_reads_values_is_explained(model: nn.Module) -> None:
     with pytest.raises(gg.EstimateError, match=r"ReadsValues|ValueShaped") as error:
         gg.estimate(model, torch.randn(1, 2))
     assert "fake tensors" in str(error.value) and "gg.audit" in str(error.value)
+    assert "its forward needs tensor values" in str(error.value)
     assert isinstance(error.value.__cause__, RuntimeError)
+
+
+class _ScaledBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2 if grad.sum().item() > 0 else grad
+
+
+class ReadsValuesInBackward(ReadsValues):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledBackward.apply(self.layers(x))
+
+
+class ReadsValuesInStep(torch.optim.Optimizer):
+    """A step that reads a tensor value: the planner cannot run it on fake tensors."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, foreach: bool = False) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / max(1.0, p.grad.norm().item()))
+
+
+def test_a_backward_that_reads_values_names_the_backward() -> None:
+    with pytest.raises(gg.EstimateError, match="ReadsValuesInBackward") as error:
+        gg.estimate(ReadsValuesInBackward(), torch.randn(1, 2))
+    message = str(error.value)
+    assert "its backward needs tensor values" in message and "forward needs" not in message
+    assert "gg.audit" in message
+
+
+def test_an_optimizer_step_that_reads_values_names_the_step_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradgate._memory import options
+
+    monkeypatch.setitem(options._OPTIMIZERS, "reads", options.PlannedOptimizer(ReadsValuesInStep))
+    with pytest.raises(gg.EstimateError) as error:
+        gg.estimate(
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.ones(1, 2), optimizer="reads"
+        )
+    message = str(error.value)
+    assert "optimizer step" in message and "forward" not in message, message
+    assert "ReadsValuesInStep.step() reads tensor values" in message
+    assert "'adamw'" in message and "'sgd'" in message  # the planner's own
+    assert "gradgate/_memory/options.py" in message  # where the rules are written
+    assert "FakeTensorMode" in (options.__doc__ or "") and ".item()" in (options.__doc__ or "")
+
+
+def test_every_planner_optimizer_is_documented() -> None:
+    """Each name of the planner's optimizers (an alias of an earlier one aside) is in
+    gg.estimate's docstring and in the CLI's options on docs/depth-fits.md."""
+    from gradgate._memory.options import OPTIMIZERS, planned_optimizer
+
+    page = (Path(__file__).parents[1] / "docs" / "depth-fits.md").read_text()
+    cli_options = page.split("`--optimizer` (")[1].split(")")[0]
+    seen: list[object] = []
+    for name in OPTIMIZERS:
+        entry = planned_optimizer(name)
+        if entry in seen:
+            continue  # "momentum": "sgd_momentum" again
+        seen.append(entry)
+        assert f'``"{name}"``' in (gg.estimate.__doc__ or ""), name
+        assert f"`{name}`" in cli_options, name

@@ -43,6 +43,7 @@ from .._plumbing.torch_internals.planner import (
 from .._select.names import Pattern, check_module, resolve_blocks
 from .memory_plan import MemoryPlan, MemoryRow, Replanner
 from .options import (
+    OPTIMIZERS,
     LearnSet,
     StepOptions,
     amp_option,
@@ -56,6 +57,7 @@ from .options import (
     misspelt_options,
     nothing_to_plan,
     optimizer_option,
+    planned_optimizer,
     shard_option,
     world_option,
 )
@@ -91,12 +93,13 @@ def estimate(
     ``zero_grad``. ``dtype`` plans parameters (and floating inputs) cast to it, e.g.
     ``"bf16"``; ``amp="bf16"`` runs the forward under ``torch.autocast``, the weights as they
     are; ``masters="fp32"`` plans ``gg.optim.LearnerMasters`` over low-precision weights;
-    ``optimizer`` is ``"adamw"``, ``"adamw_fused"``, ``"adam"``, ``"sgd_momentum"`` or
-    ``"sgd"``. ``device`` is whose rules the step follows: ``"cuda"`` (foreach optimizers,
-    512-byte allocations) or ``"cpu"`` (for-loop optimizers); by default the model's, and
-    ``"cuda"`` for a meta model. Gradient checkpointing set on the model is followed, in the
-    mode (train or eval) the model is in. ``blocks`` names the block sequence as for
-    :class:`BackpropGate`. The model itself is never changed.
+    ``optimizer`` is ``"adamw"``, ``"adamw_fused"``, ``"adam"``, ``"sgd_momentum"``,
+    ``"sgd"`` or ``"adafactor"`` (torch's, factored). ``device`` is whose rules the step
+    follows: ``"cuda"`` (foreach optimizers, 512-byte allocations) or ``"cpu"`` (for-loop
+    optimizers); by default the model's, and ``"cuda"`` for a meta model. Gradient
+    checkpointing set on the model is followed, in the mode (train or eval) the model is in.
+    ``blocks`` names the block sequence as for :class:`BackpropGate`. The model itself is
+    never changed.
 
     ``world=N`` with ``shard="ddp"``, ``"fsdp2"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` plans
     one GPU of ``N``: every row is the bytes of the rank that holds the most, its parameters,
@@ -241,12 +244,13 @@ class StepPlanner:
         self._stack.__exit__(kind, error, traceback)
 
     def row(self, plan: Plan) -> MemoryRow:
-        """Simulate one step with ``plan``; a forward that needs tensor values, or one that
-        failed with no example batch at all, is explained."""
+        """Simulate one step with ``plan``; a step that needs tensor values (in the phase it
+        needed them), or a forward that failed with no example batch at all, is explained."""
         try:
             figures = self._simulator.run(plan)
         except value_dependent_errors() as error:
-            raise _needs_values(self._model, error) from error
+            phase, optimizer = self._simulator.phase, self._options.optimizer
+            raise _needs_values(self._model, error, phase, optimizer) from error
         except GradgateError:
             raise
         except Exception as error:
@@ -360,11 +364,24 @@ def _no_batch(model: nn.Module, error: Exception) -> EstimateError:
     )
 
 
-def _needs_values(model: nn.Module, error: Exception) -> EstimateError:
+def _needs_values(model: nn.Module, error: Exception, phase: str, optimizer: str) -> EstimateError:
+    """The error of a step that read tensor values, naming the phase that read them."""
+    name = type(model).__name__
+    if phase.startswith("step"):
+        kind = planned_optimizer(optimizer).name
+        return EstimateError(
+            f"gg.estimate cannot plan {name} with optimizer={optimizer!r}: in the optimizer "
+            f"step, {kind}.step() reads tensor values ({error}: .item(), float(tensor) or "
+            "`if tensor:`), and the planner runs the optimizer's step on fake tensors, which "
+            "have shapes but no values. An optimizer whose step reads tensor values cannot be "
+            f"simulated; plan with one of the planner's optimizers {sorted(OPTIMIZERS)}, or a "
+            "variant of yours that reads no values (the rules: gradgate/_memory/options.py)."
+        )
+    where = "forward" if phase == "forward" else "backward"
     return EstimateError(
-        f"gg.estimate cannot plan {type(model).__name__}: its forward needs tensor values "
+        f"gg.estimate cannot plan {name}: its {where} needs tensor values "
         f"({error}: .item(), `if tensor:`, or a shape that depends on values such as "
-        "nonzero() or boolean indexing), and the forward runs on fake tensors, which have "
+        f"nonzero() or boolean indexing), and the {where} runs on fake tensors, which have "
         "shapes but no values. Make that part depend on shapes only, or measure a real step "
         "on a small batch with gg.audit (report.totals['saved_bytes'])."
     )

@@ -1,29 +1,87 @@
-"""The options of :func:`gradgate.estimate`, checked: each bad value raises naming the fix."""
+"""The options of :func:`gradgate.estimate`, checked: each bad value raises naming the fix.
+
+**What an optimizer must be for the planner** (``_OPTIMIZERS``, one entry per name). The planner
+runs the optimizer's real ``step()`` on fake tensors (``FakeTensorMode``: shapes, dtypes and
+storages, no values), so:
+
+* its ``step()`` reads no tensor values: no ``.item()``, ``float(tensor)``, ``if tensor:`` or
+  other branch on a value. One that reads values only as Python scalars that size no tensor
+  (torch's Adafactor: ``.item()`` of its step count and of two norms) is marked
+  ``scalars=True``: inside its planned step each ``.item()`` of a fake tensor reads 1;
+* it makes its state at the first ``step()`` (torch's optimizers make all of it there, before
+  any temporary), which the planner labels as optimizer state;
+* it is planned exactly only as a ``torch.optim`` class whose kernels the simulated step runs
+  as torch picks them on the target: a for-loop on the CPU, ``foreach`` on CUDA, or
+  ``fused=True`` in its options.
+
+An optimizer that breaks the first rule fails in the "optimizer step" phase, with that fix.
+Adding one is one entry here (its ``slots`` and ``step_count`` also size ZeRO's other ranks),
+plus docs and a test against a real step.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .._plumbing.errors import InvalidDepthError, InvalidOptionError
+from .._plumbing.torch_internals import needs
+from .._plumbing.torch_internals.planner import scalars_read_as_one
 from .._tools.masters import LearnerMasters
 
-# name -> (optimizer class, its options): what the simulated step runs
-_OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {}),
-    "adamw_fused": (torch.optim.AdamW, {"fused": True}),
-    "adam": (torch.optim.Adam, {}),
-    "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9}),
-    "momentum": (torch.optim.SGD, {"momentum": 0.9}),
-    "sgd": (torch.optim.SGD, {}),
+
+@dataclass(frozen=True)
+class PlannedOptimizer:
+    """An optimizer the planner simulates (the rules are in the module's docstring)."""
+
+    kind: str | Callable[..., torch.optim.Optimizer]  # a name in torch.optim, found when used
+    options: dict[str, Any] = field(default_factory=dict)
+    slots: int = 0  # state tensors the size of a 1-D parameter (ZeRO steps flat stretches)
+    step_count: bool = False  # a 0-d float32 ``step`` tensor per parameter
+    scalars: bool = False  # reads values only as scalars that size no tensor: .item() reads 1
+    since: str = ""  # the torch release that added it, where newer than gradgate's floor
+
+    def factory(self, name: str = "") -> Callable[..., torch.optim.Optimizer]:
+        """The optimizer's class; refused, naming the release, where this torch lacks it."""
+        if not isinstance(self.kind, str):
+            return self.kind
+        found = getattr(torch.optim, self.kind, None)
+        if found is None:
+            feature = f"gg.estimate(optimizer={name or self.kind.lower()!r})"
+            raise needs(feature, f"torch.optim.{self.kind}", since=self.since)
+        return found  # type: ignore[no-any-return]
+
+    @property
+    def name(self) -> str:
+        return self.kind if isinstance(self.kind, str) else self.kind.__name__
+
+
+# name -> what the simulated step runs
+_OPTIMIZERS: dict[str, PlannedOptimizer] = {
+    "adamw": PlannedOptimizer("AdamW", slots=2, step_count=True),
+    "adamw_fused": PlannedOptimizer("AdamW", {"fused": True}, slots=2, step_count=True),
+    "adam": PlannedOptimizer("Adam", slots=2, step_count=True),
+    "sgd_momentum": PlannedOptimizer("SGD", {"momentum": 0.9}, slots=1),
+    "momentum": PlannedOptimizer("SGD", {"momentum": 0.9}, slots=1),
+    "sgd": PlannedOptimizer("SGD"),
+    # row and column factors for 2-D and larger, the whole second moment for a vector
+    "adafactor": PlannedOptimizer("Adafactor", slots=1, step_count=True, scalars=True, since="2.5"),
 }
 OPTIMIZERS = tuple(_OPTIMIZERS)
+
+
+def planned_optimizer(name: str) -> PlannedOptimizer:
+    """The entry of a checked optimizer name (:func:`optimizer_option`)."""
+    return _OPTIMIZERS[name]
+
+
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -54,7 +112,8 @@ class StepOptions:
 
     def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer torch would run over ``params`` on the target device."""
-        kind, options = _OPTIMIZERS[self.optimizer]
+        entry = _OPTIMIZERS[self.optimizer]
+        kind, options = entry.factory(), entry.options
         if "fused" not in options:  # torch's default: foreach on CUDA, a for-loop on the CPU
             options = {**options, "foreach": self.device == "cuda"}
         if self.masters:
@@ -64,7 +123,13 @@ class StepOptions:
 
     @property
     def fused(self) -> bool:
-        return "fused" in _OPTIMIZERS[self.optimizer][1]
+        return "fused" in _OPTIMIZERS[self.optimizer].options
+
+    def stepping(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the optimizer's planned ``step()`` runs: ``.item()`` reads 1 for one marked
+        ``scalars``, else as everywhere (a value read fails, explained)."""
+        scalars = _OPTIMIZERS[self.optimizer].scalars
+        return scalars_read_as_one() if scalars else contextlib.nullcontext()
 
 
 def misspelt_options(kwargs: dict[str, Any], model: nn.Module, options: Sequence[str]) -> None:
@@ -104,8 +169,10 @@ def optimizer_option(optimizer: object) -> str:
         raise InvalidOptionError(
             f"gg.estimate(optimizer={optimizer!r}) is not a known optimizer; expected one of "
             f"{sorted(_OPTIMIZERS)}, e.g. optimizer='adamw' (Adam and AdamW keep two "
-            "states per parameter, SGD with momentum one, plain SGD none)."
+            "states per parameter, SGD with momentum one, plain SGD none, Adafactor row and "
+            "column factors of each matrix)."
         )
+    _OPTIMIZERS[optimizer].factory(optimizer)  # refuses one this torch lacks, naming the release
     return optimizer
 
 

@@ -73,6 +73,7 @@ class StepSimulator:
         self._names = {id(p): name for name, p in twin.named_parameters()}
         self.trainable = tuple(n for n, p in twin.named_parameters() if p.requires_grad)
         self.learners: tuple[str, ...] = ()  # the last row's parameters that got a gradient
+        self.phase = "forward"  # the last row's last phase: "forward", "backward", "step1"...
 
     def run(self, plan: Plan) -> Figures:
         """Set the gate to ``plan`` and simulate one step."""
@@ -100,6 +101,7 @@ class StepSimulator:
             try:
                 return self._step(counter, learnable)
             finally:
+                self.phase = counter.phase  # where a failed step stopped
                 if self._replay is not None:
                     self._replay.counter = None
                 for hook in hooks:
@@ -127,12 +129,14 @@ class StepSimulator:
             optimizer = self._options.make_optimizer(stepped)
             before = (counter.bytes["state"], counter.bytes[HOST])
             counter.phase = "step1"
-            optimizer.step()
+            with self._options.stepping():
+                optimizer.step()
             state_bytes = self._label_state(counter, optimizer)
             made = (counter.bytes["state"] - before[0], counter.bytes[HOST] - before[1])
             if self._options.masters:  # torch's own optimizers: the first step is as high
                 counter.phase = "step"
-                optimizer.step()
+                with self._options.stepping():
+                    optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             self._engine.finish(learnable)
         kept = counter.live - start  # optimizer state and masters: alive in every later step

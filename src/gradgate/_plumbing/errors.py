@@ -78,8 +78,9 @@ class NoGraphError(GradgateError):
 
 
 class EstimateError(GradgateError):
-    """:func:`estimate` cannot plan the model as given: its forward needs tensor values, or no
-    example batch was given."""
+    """:func:`estimate` cannot plan the model as given: its step needs tensor values (the
+    message names the phase: forward, backward or optimizer step), or no example batch was
+    given."""
 
 
 class ExplainedError(GradgateError):

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..._plumbing.errors import InvalidOptionError
 from ..counter import StepCounter
+from ..options import planned_optimizer
 from .engine import Engine
 
 _KNOBS = {  # DeepSpeed's name -> ours; the stage 3 ones with their stage3_ prefix
@@ -143,9 +144,10 @@ class _Zero(Engine):
         self.params: list[nn.Parameter] = []
         self.counter: StepCounter | None = None
         self.gloo = False  # a CPU plan: gloo's collectives copy their input
-        slots = _SLOTS.get(optimizer, 2)  # fp32 state tensors per element
+        entry = planned_optimizer(optimizer)
+        slots = entry.slots  # fp32 state tensors per element of a flat stretch
         self.per_element = 4 * (slots + 1) if masters else 4 * slots  # LearnerMasters: + master
-        self.per_stretch = 4 if optimizer.startswith("adam") else 0  # Adam's step count
+        self.per_stretch = 4 if entry.step_count else 0  # a step count per stretch
         self._held: list[torch.Tensor] = []
         self._hooks: list[Any] = []
 
@@ -204,9 +206,6 @@ class _Zero(Engine):
 
     def finish(self, learnable: list[nn.Parameter]) -> None:
         self._held = []
-
-
-_SLOTS = {"adamw": 2, "adamw_fused": 2, "adam": 2, "sgd_momentum": 1, "momentum": 1, "sgd": 0}
 
 
 def ceil_part(numel: int, world: int) -> int:

@@ -1,6 +1,6 @@
 """The memory planner's private torch APIs (``gg.estimate``): fake tensors, running an op for
-real below every dispatch mode, storage keys, ``aten._grouped_mm`` and what ``torch.compile``
-wraps."""
+real below every dispatch mode, storage keys, ``aten._grouped_mm``, ``.item()`` of a fake tensor
+read as 1 and what ``torch.compile`` wraps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import _lookup, needs
+from . import DISPATCH_MODE, _lookup, needs
 
 # -- fake tensors: shapes and dtypes, no memory (gg.estimate) -----------------------------------
 FAKE_TENSOR = "torch._subclasses.fake_tensor"  # imported on first need: it is not light
@@ -81,3 +81,29 @@ def grouped_mm_refuses(dtype: torch.dtype) -> bool:
         except RuntimeError:
             return True
     return False
+
+
+# -- .item() of a fake tensor read as 1 (an optimizer marked ``scalars``: Adafactor) ------------
+LOCAL_SCALAR: Any = getattr(getattr(torch.ops.aten, "_local_scalar_dense", None), "default", None)
+
+
+def scalars_read_as_one() -> contextlib.AbstractContextManager[Any]:
+    """A dispatch mode under which ``.item()`` of a fake tensor gives 1 (``True``, ``1``,
+    ``1.0`` by dtype) instead of failing: for an optimizer step that reads values only as Python
+    scalars sizing no tensor, where 1 is a valid step count and norm. Real tensors read their
+    values. Where torch lacks the op or dispatch modes, nothing changes (the read then fails,
+    explained)."""
+    if DISPATCH_MODE is None or LOCAL_SCALAR is None:
+        return contextlib.nullcontext()
+    return _ScalarsReadAsOne()
+
+
+class _ScalarsReadAsOne(DISPATCH_MODE or object):  # type: ignore[misc]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is LOCAL_SCALAR and issubclass(type(args[0]), fake_tensor_type()):
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return True
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+        return func(*args, **kwargs)
