@@ -436,3 +436,18 @@ def test_observe_at_each_step_or_once_per_window_or_no_training_warns_nothing() 
         resumed.load_state_dict(sched.state_dict())  # a resumed run starts a fresh count
         resumed.apply(gate, 12)
     gate.remove()
+
+
+def test_block_positions_are_the_gate_s_blocks_not_the_model_s() -> None:
+    """A position counts the gate's blocks, as a depth or a learning set does: on a gate over
+    layers 2 and 3 of a Sequential, candidate 0 is layer 2 (block discovery would say layer 0,
+    a module before the gate's blocks, which would then learn nothing of the plan's)."""
+    net = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
+    gate = gg.BackpropGate(net, blocks=["2", "3"])
+    plan = gg.schedules.Importance([0], budget=1.0).apply(gate, 0)
+    assert plan.learn == frozenset({0})  # the gate's block 0: layer 2
+    net(torch.randn(2, 3)).sum().backward()
+    assert [layer.weight.grad is not None for layer in net] == [False, False, True, False]
+    with pytest.raises(gg.GradgateError, match="position 2, but the gate has 2 blocks"):
+        gg.schedules.Importance([2], budget=1.0).apply(gate, 0)
+    gate.remove()

@@ -398,8 +398,6 @@ def schedules(draw) -> tuple[int, Schedule]:
     if kind is GradualUnfreeze:
         every, start = draw(st.integers(1, 5)), draw(st.integers(0, n))
         return n, GradualUnfreeze(n, every=every, start=start)
-    # Importance's block positions are found by block discovery, which needs two blocks
-    n = max(n, 2)
     return n, _REGISTRY[kind](n, draw(st.integers(1, 50)), seed)
 
 

@@ -65,8 +65,9 @@ def resolve(
     model: nn.Module, points: list[tuple[str, nn.Module]], items: Iterable[str | int]
 ) -> tuple[list[str], list[list[nn.Parameter]], dict[str, int], frozenset[str]]:
     """The candidates' names, parameters, block positions (for blocks) and which lie inside
-    blocks; refuses the model, a container of blocks, no parameters and overlaps."""
-    found = resolve_modules(model, items)
+    blocks; refuses the model, a container of blocks, no parameters and overlaps. A position
+    counts the gate's blocks (``points``), as a depth or a learning set does."""
+    found = resolve_modules(model, [_block_name(item, points) for item in items])
     by_id = {id(module): i for i, (_, module) in enumerate(points)}
     inside = {id(inner) for _, block in points for inner in block.modules()} - set(by_id)
     owner: dict[int, str] = {}
@@ -98,6 +99,17 @@ def resolve(
             positions[name] = by_id[id(module)]
     inner = frozenset(name for name, module in found if id(module) in inside)
     return names, params, positions, inner
+
+
+def _block_name(item: str | int, points: list[tuple[str, nn.Module]]) -> str | int:
+    if isinstance(item, str):
+        return item
+    if not -len(points) <= item < len(points):
+        raise InvalidOptionError(
+            f"modules holds block position {item}, but the gate has {len(points)} blocks; "
+            f"expected positions 0 to {len(points) - 1} (or -1 for the last), or module names."
+        )
+    return points[item][0]
 
 
 def holds_block(module: nn.Module, by_id: dict[int, int]) -> bool:
