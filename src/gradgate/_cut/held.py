@@ -12,7 +12,7 @@ from torch import nn
 
 from .._plumbing.autograd import leaf_variable, tensors_in, walk
 from .._plumbing.errors import MissingGradientWarning, warn
-from .._plumbing.torch_internals import queue_after_backward
+from .._plumbing.torch_internals import queue_after_backward, storage_key
 from .frames import grad_held_off
 
 
@@ -330,10 +330,10 @@ class GradientWatch:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    """Which storage the tensor views (its storage object's address: no data pointer read, so
-    fake tensors answer too); 0 for a tensor with none."""
+    """Which storage the tensor views (no data pointer read, so fake tensors answer too); 0 for
+    a tensor with none."""
     try:
-        return int(tensor.untyped_storage()._cdata)
+        return storage_key(tensor.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return 0
 

@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 
-from .._plumbing.torch_internals import TorchDispatchMode
+from .._plumbing.torch_internals import TorchDispatchMode, storage_key
 from .._plumbing.torch_internals import planner as planner_internals
 from .._plumbing.torch_internals.planner import (
     GROUPED_MM,
     fake_tensor_type,
     grouped_mm_refuses,
     outside_modes,
-    storage_key,
     value_dependent_errors,
 )
 from .._plumbing.torch_internals.trees import tree_leaves

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plumbing.torch_internals.planner import storage_key
+from .._plumbing.torch_internals import storage_key
 from .._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from .counter import StepCounter
 

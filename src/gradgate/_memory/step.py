@@ -25,7 +25,7 @@ from torch import nn
 from .._cut.gate import BackpropGate
 from .._plumbing.autograd import observe_saved, tensors_in
 from .._plumbing.errors import BlockCallWarning, PlanNotAppliedWarning, SharedParameterWarning
-from .._plumbing.torch_internals.planner import storage_key
+from .._plumbing.torch_internals import storage_key
 from .counter import HOST, StepCounter
 from .options import StepOptions
 from .replay import PrefixReplay

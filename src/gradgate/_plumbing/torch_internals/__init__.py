@@ -306,3 +306,13 @@ def can_skip_frames() -> bool:
 
 
 SKIPS_FRAMES = can_skip_frames()  # read by frames dynamo may trace: a constant it can fold
+
+
+def storage_key(storage: Any) -> int:
+    """One number per live storage, shared by all its tensors (its C++ address)."""
+    key = getattr(storage, "_cdata", None)
+    if key is None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        key = StorageWeakRef(storage).cdata
+    return int(key)

@@ -41,16 +41,6 @@ def fake_tensor_type() -> type:
     return _lookup(FAKE_TENSOR, "FakeTensor") or type(None)  # type: ignore[no-any-return]
 
 
-def storage_key(storage: Any) -> int:
-    """One number per live storage, shared by all its tensors (its C++ address)."""
-    key = getattr(storage, "_cdata", None)
-    if key is None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        key = StorageWeakRef(storage).cdata
-    return int(key)
-
-
 def outside_modes() -> Any:
     """A context where ops run for real, below every dispatch mode (fake mode included);
     ``None`` where torch cannot (the planner then keeps every tensor fake)."""
