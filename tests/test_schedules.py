@@ -68,6 +68,17 @@ def test_the_registry_holds_every_schedule_the_package_exports() -> None:
         assert type(build(N, STEPS, 0)) is kind
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("kind", list(_REGISTRY), ids=lambda kind: kind.__name__)
+def test_each_registered_schedule_plans_a_gate_of_any_size(kind: type, n: int) -> None:
+    """The registry's options fit a model of any block count, one block too (the property test
+    below draws the sizes, and a draw it misses would go unnoticed)."""
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)])
+    with gg.BackpropGate(net, [str(i) for i in range(n)]) as gate:
+        plan = _REGISTRY[kind](n, STEPS, 0).apply(gate, 0)
+        assert plan.learning(n) <= set(range(n))
+
+
 def residual_net(n: int = N) -> nn.Module:
     class Residual(nn.Module):
         def __init__(self) -> None:

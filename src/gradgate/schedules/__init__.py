@@ -328,7 +328,7 @@ _REGISTRY: dict[type[Schedule], Callable[[int, int, int], Schedule]] = {
     DropBP: lambda n, steps, seed: DropBP(n, 0.5, seed=seed),
     FreezeOut: lambda n, steps, seed: FreezeOut(n, total_steps=steps, first=0.25, seed=seed),
     GradualUnfreeze: lambda n, steps, seed: GradualUnfreeze(n, every=max(1, steps // n), seed=seed),
-    Importance: lambda n, steps, seed: Importance(range(n), budget=0.5, seed=seed),
+    Importance: lambda n, steps, seed: Importance(range(n), budget=max(0.5, 1 / n), seed=seed),
 }
 
 
