@@ -4,11 +4,13 @@ and the tensors the optimizer steps. :class:`Engine` itself is one device (nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from ..counter import StepCounter
 
 
@@ -60,3 +62,31 @@ class Engine:
     def finish(self, learnable: list[nn.Parameter]) -> None:
         """After ``zero_grad``: the twin's gradients dropped where the optimizer stepped
         stand-ins."""
+
+
+def end_at_inputs_backward(done: Callable[[], None], args: Any, kwargs: Any) -> Any:
+    """``(args, kwargs)`` with the tensors that need grad passed through one node whose backward
+    calls ``done``: the engines' way to learn that a module's backward ended (FSDP2 and ZeRO-3
+    do the same). ``None`` when no input needs grad."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not where:
+        return None
+    wrapped = _InputsBackward.apply(done, *(leaves[i] for i in where))
+    for i, tensor in zip(where, wrapped, strict=True):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
+
+
+class _InputsBackward(torch.autograd.Function):
+    """The inputs pass through; their backward is the end of the module they enter."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)

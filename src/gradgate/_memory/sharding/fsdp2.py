@@ -29,9 +29,8 @@ import torch
 from torch import nn
 
 from ..._plumbing.autograd import tensors_in
-from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from ..counter import StepCounter
-from .engine import Engine
+from .engine import Engine, end_at_inputs_backward
 
 
 def shard_numel(param: torch.Tensor, world: int) -> int:
@@ -176,14 +175,7 @@ class _Unit:
         self.wait(forward=True)
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, leaf in enumerate(leaves) if _needs_grad(leaf)]
-        if not where:
-            return None
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in where))
-        for i, tensor in zip(where, wrapped, strict=True):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return end_at_inputs_backward(self.post_backward, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         engine = self.engine
@@ -231,21 +223,3 @@ class _Unit:
             copy = engine.empty(engine.world * total, dtype)
             del copy
         engine.reducing = [reducing]
-
-
-class _PostBackward(torch.autograd.Function):
-    """FSDP2's trick: the unit's inputs pass through, and their backward is the unit's end."""
-
-    @staticmethod
-    def forward(ctx: Any, unit: _Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.unit.post_backward()
-        return (None, *grads)
-
-
-def _needs_grad(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and leaf.requires_grad

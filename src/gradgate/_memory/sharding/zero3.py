@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..._plumbing.autograd import tensors_in
-from ..._plumbing.torch_internals.trees import tree_flatten, tree_unflatten
 from ..counter import StepCounter
+from .engine import end_at_inputs_backward
 from .zero import ZeroKnobs, _unique, _Zero, ceil_part
 
 
@@ -171,14 +171,7 @@ class _Module:
         engine.prefetch(self.index, +1)
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:
-            return None
-        wrapped = _AfterBackward.apply(self, *(leaves[i] for i in where))
-        for i, tensor in zip(where, wrapped, strict=True):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return end_at_inputs_backward(self.after_backward, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         engine = self.engine
@@ -204,17 +197,3 @@ class _Module:
     def after_backward(self) -> None:
         self.done = True
         self.engine.release(self)
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The module's inputs pass through; their backward is the module's end."""
-
-    @staticmethod
-    def forward(ctx: Any, module: _Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.module = module
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.module.after_backward()
-        return (None, *grads)
