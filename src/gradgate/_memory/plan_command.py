@@ -31,7 +31,7 @@ from .configs import (
 from .learners import freeze_patterns, learn_sets, learn_text, learning_text
 from .memory_plan import MemoryPlan, MemoryRow, format_bytes
 from .options import DTYPES, LOW, OPTIMIZERS, default_depths, dtype_option, parameter_dtype
-from .sharding.flags import add_flags, check_flags
+from .sharding.flags import add_flags, check_flags, whole_number
 
 if TYPE_CHECKING:
     from .estimate import StepPlanner
@@ -53,11 +53,11 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument("config", type=Path, metavar="CONFIG.json", help="a config.json file")
     parser.add_argument(
-        "--batch", type=_whole("--batch", "batch size", 8), required=True, metavar="B",
+        "--batch", type=whole_number("--batch", "batch size", 8), required=True, metavar="B",
         help="batch size",
     )  # fmt: skip
     parser.add_argument(
-        "--seq", type=_whole("--seq", "sequence length", 2048), metavar="S",
+        "--seq", type=whole_number("--seq", "sequence length", 2048), metavar="S",
         help="sequence length (text models; a vision config takes its image size)",
     )  # fmt: skip
     parser.add_argument(
@@ -140,21 +140,6 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "encoder-decoder, the encoder's blocks then the decoder's)",
     )
     parser.set_defaults(run=_run_command)
-
-
-def _whole(flag: str, what: str, example: int) -> Any:
-    def whole(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number >= 1; expected the {what}, e.g. {flag} {example}"
-            )
-        return value
-
-    return whole
 
 
 def _dtype_text(text: str) -> str:

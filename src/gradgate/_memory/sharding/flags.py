@@ -1,9 +1,11 @@
 """``gradgate plan``'s options for several GPUs: ``--gpus``, ``--shard`` and ``--deepspeed``,
-and the check that they agree."""
+and the check that they agree; the whole-number type its counts share (``--gpus``, ``--batch``,
+``--seq``)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from ..._plumbing.errors import InvalidOptionError
@@ -14,7 +16,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--gpus N``, ``--shard ENGINE`` and ``--deepspeed DS_CONFIG.json``."""
     parser.add_argument(
         "--gpus",
-        type=_gpus,
+        type=whole_number("--gpus", "number of GPUs", 4),
         default=1,
         metavar="N",
         help="GPUs the step runs on; with --shard every row is one GPU's bytes (default: 1)",
@@ -34,16 +36,21 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _gpus(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number >= 1; expected the number of GPUs, e.g. --gpus 4"
-        )
-    return value
+def whole_number(flag: str, what: str, example: int) -> Callable[[str], int]:
+    """An argparse type for a count >= 1, its error naming ``what`` with an example."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number >= 1; expected the {what}, e.g. {flag} {example}"
+            )
+        return value
+
+    return whole
 
 
 def check_flags(gpus: int, shard: str | None, deepspeed: Path | None) -> None:
