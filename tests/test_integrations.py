@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, lightning_trainer, tiny_gpt2, trainer_args
+from models import Tokens, lightning_trainer, tiny_gpt2, tiny_llama, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,20 +73,6 @@ def test_hf_callback_freeze_for_step_must_be_a_bool() -> None:
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=N,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 class StepRecorder(transformers.TrainerCallback):
@@ -166,7 +152,7 @@ def hf_test(function):
 
 @hf_test
 def test_hf_lisa_with_accumulation_learns_only_the_drawn_blocks(tmp_path: Path) -> None:
-    model = tiny_llama()
+    model = tiny_llama(N)
     sched = gg.schedules.LISA(N, k=1, every=1, seed=3)
     callback = gg.integrations.transformers.GateCallback(sched)
     trainer, recorder = train_hf(model, callback, tmp_path)
@@ -193,7 +179,7 @@ def test_hf_random_depth_logs_the_depth_and_reporters_see_it(tmp_path: Path) -> 
         def on_log(self, args, state, control, logs=None, **kwargs) -> None:
             seen.append(dict(logs))
 
-    model = tiny_llama()
+    model = tiny_llama(N)
     sched = gg.schedules.RandomDepth(N, low=1, high=3, seed=5)
     callback = gg.integrations.transformers.GateCallback(sched)
     args = trainer_args(
@@ -228,7 +214,7 @@ def test_hf_dropbp_on_gpt2_skipped_blocks_do_not_move(tmp_path: Path) -> None:
 
 @hf_test
 def test_hf_freezeout_drops_the_optimizer_state(tmp_path: Path) -> None:
-    model = tiny_llama()
+    model = tiny_llama(N)
     sched = gg.schedules.FreezeOut(N, stops=[1, 2, 3, 9])
     callback = gg.integrations.transformers.GateCallback(sched)
     trainer, recorder = train_hf(model, callback, tmp_path, steps=4, accumulate=1)
@@ -252,7 +238,7 @@ def test_hf_freezeout_drops_the_optimizer_state(tmp_path: Path) -> None:
     ],
 )
 def test_hf_non_reentrant_gradient_checkpointing(tmp_path: Path, schedule) -> None:
-    model = tiny_llama()
+    model = tiny_llama(N)
     callback = gg.integrations.transformers.GateCallback(schedule)
     _, recorder = train_hf(
         model,
@@ -290,7 +276,7 @@ def gradgate_hooks(model: nn.Module) -> list:
 @pytest.mark.parametrize("late", [False, True], ids=["in-Trainer", "add_callback+put_first"])
 def test_hf_keyboard_interrupt_inside_train_leaves_no_trace(tmp_path: Path, late: bool) -> None:
     # transformers has no exception event: the callback wraps trainer.train to clean up.
-    model = tiny_llama()
+    model = tiny_llama(N)
     schedule = gg.schedules.LISA(N, k=1, every=1, seed=2)
     callback = gg.integrations.transformers.GateCallback(schedule)
     args = trainer_args(
@@ -319,11 +305,11 @@ def test_hf_keyboard_interrupt_inside_train_leaves_no_trace(tmp_path: Path, late
 
 @hf_test
 def test_hf_callback_refuses_a_gate_on_a_model_the_trainer_does_not_train(tmp_path) -> None:
-    other = tiny_llama()
+    other = tiny_llama(N)
     gate = gg.BackpropGate(other)
     callback = gg.integrations.transformers.GateCallback(gg.schedules.RandomDepth(N), gate)
     with pytest.raises(gg.InvalidOptionError, match=r"gate is on a LlamaForCausalLM that the T"):
-        train_hf(tiny_llama(), callback, tmp_path, steps=1, accumulate=1)
+        train_hf(tiny_llama(N), callback, tmp_path, steps=1, accumulate=1)
     assert gate.depth is None
     gate.remove()
 

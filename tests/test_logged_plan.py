@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import Tokens, lightning_trainer, trainer_args
+from models import Tokens, lightning_trainer, tiny_llama, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -30,21 +30,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=N,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def schedule() -> gg.schedules.Importance:
@@ -92,7 +77,7 @@ class NormRecorder(transformers.TrainerCallback):
 
 
 def run_hf(tmp_path: Path, caplog: Any) -> tuple[Any, NormRecorder, Any]:
-    model = tiny_llama()
+    model = tiny_llama(N)
     callback = gg.integrations.transformers.GateCallback(schedule(), grad_norms=True)
     recorder = NormRecorder()
     args = trainer_args(
@@ -119,7 +104,7 @@ def run_hf(tmp_path: Path, caplog: Any) -> tuple[Any, NormRecorder, Any]:
 class LitLlama(lightning.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = tiny_llama()
+        self.net = tiny_llama(N)
         self.norms: list[dict[str, float]] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

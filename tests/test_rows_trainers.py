@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, lightning_trainer, trainer_args
-from torch import nn
+from models import Tokens, lightning_trainer, tiny_llama, trainer_args
 from torch.utils.data import DataLoader
 
 import gradgate as gg
@@ -19,20 +18,6 @@ lightning = pytest.importorskip("lightning")
 
 N = 2
 ROWS = [60, 3, 41]  # token ids of Tokens() (vocabulary 64): new tokens to learn
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=N,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def moved_rows(weight: torch.Tensor, start: torch.Tensor) -> list[int]:
@@ -59,7 +44,7 @@ def hf_test(function):
 def test_hf_trainer_learns_the_rows_only_and_saves_the_plain_model(
     tmp_path: Path, callback: bool
 ) -> None:
-    model = tiny_llama()
+    model = tiny_llama(N)
     gg.freeze(model, "**")
     start = model.model.embed_tokens.weight.detach().clone()
     handle = gg.learn_rows(model, "model.embed_tokens", rows=ROWS)
@@ -95,7 +80,7 @@ def test_hf_trainer_learns_the_rows_only_and_saves_the_plain_model(
 class LanguageModel(lightning.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = tiny_llama()
+        self.model = tiny_llama(N)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss

@@ -203,6 +203,24 @@ def lightning_trainer(tmp_path: Any, **options: Any) -> Any:
     return lightning.Trainer(**{**quiet, **options})
 
 
+def tiny_llama(layers: int) -> nn.Module:
+    """A random-init Llama LM of ``layers`` blocks, vocabulary 64, width 16 (seed 0)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def tiny_gpt2(layers: int) -> nn.Module:
     """A random-init GPT-2 LM of ``layers`` blocks, vocabulary 64, no dropout (seed 0)."""
     import transformers
