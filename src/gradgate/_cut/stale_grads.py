@@ -215,9 +215,7 @@ class CutGrads:
         # all found with nothing to drop, none learned since: the usual step
         found = [] if len(clean) == len(stale.blocks) else self._left_in_blocks(stale)
         if stale.named is not None:  # every forward cut: what is around may have learned none
-            runs = self._stacks.runs + len(self._gap)
-            around = self._around if self._around_at == runs else self._find_around()
-            with_grad = [param for param in around if param.grad is not None]
+            with_grad = [param for param in self._around_now() if param.grad is not None]
             if with_grad:  # else the usual step: dropped at the first that left them out
                 found += self._left_around(optimizer, with_grad, stale.named)
         if found:
@@ -270,11 +268,14 @@ class CutGrads:
             unchanged += _all_zero(stepped) if stepped else []
         return unchanged
 
-    def _find_around(self) -> list[nn.Parameter]:
+    def _around_now(self) -> list[nn.Parameter]:
         """The parameters around the blocks, but those of modules seen running after the last
         stack began and never between its blocks before the first learner (a final norm, a
-        head, and a weight tied to it): they learned in every forward so far."""
+        head, and a weight tied to it): they learned in every forward so far. Found again only
+        when the stacks learned a new run or a gap module was seen."""
         stacks, gap = self._stacks, self._gap
+        if self._around_at == stacks.runs + len(gap):
+            return self._around
         self._around_at, last = stacks.runs + len(gap), stacks.of[-1] if stacks.of else -1
         after = {
             id(param)
@@ -293,9 +294,7 @@ class CutGrads:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         self._stepped = True  # the next forward starts the next step's plans
-        runs = self._stacks.runs + len(self._gap)
-        around = self._around if self._around_at == runs else self._find_around()
-        with_grad = [param for param in around if param.grad is not None]
+        with_grad = [param for param in self._around_now() if param.grad is not None]
         if self._joined:
             self._joined = {}  # in this step's record now
         applied = self._applied
