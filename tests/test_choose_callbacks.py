@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import Tokens, lightning_trainer, trainer_args
+from models import Tokens, lightning_trainer, tiny_llama, trainer_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,7 +27,6 @@ def rms(tensors: list[torch.Tensor]) -> float:
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
-from test_integrations import tiny_llama  # noqa: E402  (a 4-layer Llama, as there)
 
 
 class Recorder(transformers.TrainerCallback):
@@ -88,7 +87,7 @@ def train_hf(tmp_path: Path, sched, *, steps: int, resume=None, save_strategy="n
         **options,
     )
     trainer = transformers.Trainer(
-        model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=[callback, recorder]
+        model=tiny_llama(4), args=args, train_dataset=Tokens(), callbacks=[callback, recorder]
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer, recorder
